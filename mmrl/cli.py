@@ -1,0 +1,124 @@
+"""The `mmrl` command line: train, tiny-model, data build, plugins list."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from typing import Any, Sequence
+
+
+def _parse_kv(pairs: Sequence[str]) -> dict[str, Any]:
+    """key=value pairs with YAML-typed values (ints, floats, bools, lists)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"mmrl: expected key=value, got {pair!r}")
+        key, value = pair.split("=", 1)
+        out[key.replace("-", "_")] = yaml.safe_load(value)
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from mmrl.config import load_config, to_yaml
+
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        from mmrl.controller.placement import format_plan, placement_plan
+        from mmrl.utils.env import resolve_device
+
+        device = resolve_device(cfg.cluster.device.value)
+        print("# resolved config\n" + to_yaml(cfg))
+        print(f"# placement (device: {device})\n" + format_plan(placement_plan(cfg, device)))
+        return 0
+    from mmrl.controller.loop import train
+
+    summary = train(cfg)
+    curve = summary.pop("heldout_curve", [])
+    print("held-out accuracy by step: " + ", ".join(f"{s}:{a:.3f}" for s, a, _ in curve))
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from mmrl.models.tiny_vlm import DEFAULT_WORDS, build_tiny_vlm
+
+    words = args.words.split(",") if args.words else DEFAULT_WORDS
+    path = build_tiny_vlm(args.arch, args.out, words=words, seed=args.seed, dtype=args.dtype)
+    print(f"tiny {args.arch} model written to {path}")
+    return 0
+
+
+def cmd_data_build(args: argparse.Namespace) -> int:
+    from mmrl import registry
+
+    build = registry.resolve("dataset", args.name)
+    info = build(args.out, **_parse_kv(args.options))
+    print(json.dumps(info, indent=2, default=str))
+    return 0
+
+
+def cmd_plugins_list(args: argparse.Namespace) -> int:
+    from mmrl import registry
+
+    rows = [(e.kind, e.name, e.origin, registry.describe(e.obj)) for e in registry.entries(args.kind)]
+    width = [max(len(r[i]) for r in rows) for i in range(3)] if rows else [4, 4, 6]
+    print(f"{'kind':<{width[0]}}  {'name':<{width[1]}}  {'origin':<{width[2]}}  description")
+    for kind, name, origin, doc in rows:
+        print(f"{kind:<{width[0]}}  {name:<{width[1]}}  {origin:<{width[2]}}  {doc}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmrl", description="Multimodal RL post-training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train from a YAML config, with key=value overrides")
+    p.add_argument("config", help="YAML config file, e.g. configs/colors_demo.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8 trainer.lr=1e-3")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the process placement")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("tiny-model", help="build a tiny random VLM (tokenizer + processor) locally")
+    p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--words", default=None, help="comma-separated answer words kept as single tokens")
+    p.set_defaults(func=cmd_tiny_model)
+
+    p = sub.add_parser("data", help="dataset recipes")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    b = data_sub.add_parser("build", help="write a dataset recipe's webdataset shards")
+    b.add_argument("name", help="recipe name (see `mmrl plugins list --kind dataset`)")
+    b.add_argument("--out", required=True)
+    b.add_argument("options", nargs="*", help="recipe options as key=value, e.g. train_size=2048")
+    b.set_defaults(func=cmd_data_build)
+
+    p = sub.add_parser("plugins", help="registered plugins")
+    plug_sub = p.add_subparsers(dest="plugins_command", required=True)
+    lst = plug_sub.add_parser("list", help="name, kind and origin of every registered plugin")
+    lst.add_argument("--kind", default=None)
+    lst.set_defaults(func=cmd_plugins_list)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    from mmrl.config.load import ConfigError
+    from mmrl.registry import PluginError
+
+    user_errors: tuple[type[BaseException], ...] = (ConfigError, PluginError, FileNotFoundError)
+    try:
+        return args.func(args)
+    except user_errors as e:
+        print("mmrl: error: " + textwrap.fill(str(e), width=100, subsequent_indent="  "), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

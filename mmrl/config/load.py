@@ -1,0 +1,215 @@
+"""Load a run config: YAML file + dotted `key=value` overrides -> a validated `Config`.
+
+Everything that can be checked without starting processes is checked here, so that a typo in a
+key, a wrong type, a bad enum value, a missing file or a reward that does not import stops the
+run in the first second with a message that names the key path and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from enum import Enum
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from mmrl.config.schema import Config, RewardEntry
+
+
+class ConfigError(ValueError):
+    """The configuration is wrong; the message names the key path and how to fix it."""
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unwrap(tp: Any) -> Any:
+    """Optional[X] -> X; list[X] -> X (for walking into list items)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _unwrap(args[0]) if len(args) == 1 else tp
+    if origin is list:
+        return _unwrap(typing.get_args(tp)[0])
+    return tp
+
+
+def _schema_at(path: Sequence[str]) -> Any:
+    """The dataclass (or type) that the dotted path points into."""
+    tp: Any = Config
+    for part in path:
+        if not dataclasses.is_dataclass(tp):
+            return None
+        if re.fullmatch(r"\d+", part):
+            continue
+        tp = _unwrap(_field_types(tp).get(part))
+    return tp
+
+
+def _describe_allowed(tp: Any) -> str:
+    if dataclasses.is_dataclass(tp):
+        return "allowed keys: " + ", ".join(f.name for f in dataclasses.fields(tp))
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return "allowed values: " + ", ".join(m.value for m in tp)
+    return f"expected type: {getattr(tp, '__name__', tp)}"
+
+
+def _explain(exc: OmegaConfBaseException, where: str, prefix: str = "") -> ConfigError:
+    key = prefix + (getattr(exc, "full_key", None) or "?")
+    parts = [p for p in re.split(r"[.\[\]]+", key) if p]
+    msg = str(exc).split("\n")[0]
+    if isinstance(exc, ConfigKeyError):
+        parent = _schema_at(parts[:-1])
+        allowed = [f.name for f in dataclasses.fields(parent)] if dataclasses.is_dataclass(parent) else []
+        close = difflib.get_close_matches(parts[-1], allowed, n=1)
+        parent_key = key[:len(key) - len(parts[-1])].rstrip(".")
+        hint = f" Did you mean '{key[:len(key) - len(parts[-1])]}{close[0]}'?" if close else ""
+        return ConfigError(
+            f"Unknown config key '{key}' ({where}).{hint} Under '{parent_key or '<top level>'}' the "
+            f"{_describe_allowed(parent)}. Engine-native options go under rollout.engine_args (vLLM) or "
+            f"trainer.deepspeed (DeepSpeed JSON).")
+    if isinstance(exc, ValidationError):
+        return ConfigError(f"Bad value for config key '{key}' ({where}): {msg}. "
+                           f"{_describe_allowed(_schema_at(parts)).capitalize()}.")
+    return ConfigError(f"Config error at '{key}' ({where}): {msg}")
+
+
+def _merge_rewards(base: DictConfig, layer: DictConfig, where: str) -> None:
+    """Rewards are a list of entries; validate each against RewardEntry so errors carry an index."""
+    if "rewards" not in layer:
+        return
+    raw = layer.pop("rewards")
+    if not isinstance(raw, ListConfig):
+        raise ConfigError(f"Config key 'rewards' ({where}) must be a list of entries like "
+                          f"[{{name: answer_match, weight: 1.0}}], got {OmegaConf.to_yaml(raw).strip()!r}.")
+    entries = []
+    for i, item in enumerate(raw):
+        if isinstance(item, str):  # shorthand: rewards: [answer_match]
+            item = OmegaConf.create({"name": item})
+        try:
+            entries.append(OmegaConf.merge(OmegaConf.structured(RewardEntry), item))
+        except OmegaConfBaseException as e:
+            raise _explain(e, where, prefix=f"rewards[{i}].") from None
+    base.rewards = entries
+
+
+def load_config(path: str | None, overrides: Sequence[str] = (), *, check_files: bool = True,
+                check_plugins: bool = True) -> Config:
+    """Merge schema defaults <- YAML file <- overrides; validate; return a typed Config."""
+    merged = OmegaConf.structured(Config)
+    layers: list[tuple[DictConfig, str]] = []
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"Config file '{path}' does not exist. Pass a YAML file, e.g. "
+                              f"`mmrl train configs/colors_demo.yaml`.")
+        loaded = OmegaConf.load(path)
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"Config file '{path}' must hold a mapping at the top level.")
+        layers.append((loaded, f"in {path}"))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"Override {bad[0]!r} is not of the form key=value (e.g. rollout.group_size=8).")
+    if overrides:
+        try:
+            layers.append((OmegaConf.from_dotlist(list(overrides)), "from the command line"))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"Could not parse overrides {list(overrides)}: {e}") from None
+    for layer, where in layers:
+        _merge_rewards(merged, layer, where)
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise _explain(e, where) from None
+    try:
+        OmegaConf.resolve(merged)
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise _explain(e, "while resolving interpolations") from None
+    validate(cfg, check_files=check_files, check_plugins=check_plugins)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _check_positive(cfg: Config) -> None:
+    checks = {
+        "rollout.prompts_per_step": cfg.rollout.prompts_per_step >= 1,
+        "rollout.group_size": cfg.rollout.group_size >= 2,
+        "rollout.max_new_tokens": cfg.rollout.max_new_tokens >= 1,
+        "rollout.num_engines": cfg.rollout.num_engines >= 1,
+        "rollout.temperature": cfg.rollout.temperature > 0,
+        "trainer.world_size": cfg.trainer.world_size >= 1,
+        "trainer.micro_batch_size": cfg.trainer.micro_batch_size >= 1,
+        "trainer.lr": cfg.trainer.lr > 0,
+        "eval.every_steps": cfg.eval.every_steps >= 0,
+        "weight_sync.bucket_mb": cfg.weight_sync.bucket_mb > 0,
+    }
+    for key, ok in checks.items():
+        if not ok:
+            section, name = key.split(".")
+            raise ConfigError(f"Bad value for config key '{key}': {getattr(getattr(cfg, section), name)!r}. "
+                              f"It must be positive (group_size at least 2: advantages compare a group).")
+    if len(cfg.trainer.betas) != 2:
+        raise ConfigError(f"Bad value for config key 'trainer.betas': {cfg.trainer.betas}; give two numbers, "
+                          f"e.g. [0.9, 0.999].")
+
+
+def _looks_local(path: str) -> bool:
+    """A missing path that is clearly meant as a local folder (not a hub id 'org/name')."""
+    if path.startswith((".", "/", "~")) or path.count("/") != 1:
+        return True
+    return os.path.isdir(path.split("/")[0])  # 'work/tiny-vlm' when ./work exists
+
+
+def _check_files(cfg: Config) -> None:
+    from mmrl.data.stream import ShardNotFoundError, expand_urls
+
+    model = cfg.model.path
+    if not os.path.isdir(model) and (_looks_local(model) or os.environ.get("HF_HUB_OFFLINE") == "1"):
+        raise ConfigError(
+            f"Config key 'model.path': model folder '{model}' does not exist. Build the tiny demo model "
+            f"with `mmrl tiny-model --arch qwen2_5_vl --out {model}`, or point model.path at a Hugging "
+            f"Face model folder or hub id.")
+    for key in ("train_shards", "heldout_shards"):
+        spec = getattr(cfg.data, key)
+        if spec is None:
+            continue
+        try:
+            expand_urls(spec)
+        except ShardNotFoundError as e:
+            raise ConfigError(f"Config key 'data.{key}': {e}") from None
+
+
+def _check_plugins(cfg: Config) -> None:
+    from mmrl import registry
+
+    wanted = [("advantage", "algorithm.advantage", cfg.algorithm.advantage),
+              ("policy_loss", "algorithm.policy_loss", cfg.algorithm.policy_loss),
+              ("agent_loop", "rollout.agent_loop", cfg.rollout.agent_loop)]
+    if cfg.processor.name != "auto":
+        wanted.append(("processor", "processor.name", cfg.processor.name))
+    wanted += [("reward", f"rewards[{i}].name", r.name) for i, r in enumerate(cfg.rewards)]
+    for kind, key, spec in wanted:
+        try:
+            registry.resolve(kind, spec)
+        except registry.PluginError as e:
+            raise ConfigError(f"Config key '{key}': {e}") from None
+
+
+def validate(cfg: Config, *, check_files: bool = True, check_plugins: bool = True) -> None:
+    _check_positive(cfg)
+    if not cfg.rewards:
+        raise ConfigError("Config key 'rewards' is empty: give at least one reward, e.g. "
+                          "rewards: [{name: answer_match}].")
+    if check_files:
+        _check_files(cfg)
+    if check_plugins:
+        _check_plugins(cfg)

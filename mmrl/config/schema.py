@@ -1,0 +1,171 @@
+"""The typed run configuration: one dataclass per stage of the data flow.
+
+YAML files and `key=value` overrides are merged onto these dataclasses by `mmrl.config.load`;
+unknown keys and wrong types fail there, before anything starts. Engine-native options pass
+through untouched: `rollout.engine_args` goes to `vllm.LLM(...)`, `trainer.deepspeed` is merged
+into the DeepSpeed JSON config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+
+class Device(str, Enum):
+    auto = "auto"   # cuda when torch sees a GPU, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class LossAgg(str, Enum):
+    token_mean = "token_mean"
+    seq_mean_token_sum = "seq_mean_token_sum"
+    seq_mean_token_mean = "seq_mean_token_mean"
+    seq_mean_token_sum_norm = "seq_mean_token_sum_norm"
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs/${run.name}"
+    seed: int = 0
+    max_steps: int = 200
+    # Stop early once wall time (seconds, from the first step) passes this; null = no limit.
+    time_limit_s: Optional[float] = None
+    # Stop early once held-out accuracy reaches this; null = never.
+    stop_at_heldout_accuracy: Optional[float] = None
+
+
+@dataclass
+class ClusterConfig:
+    device: Device = Device.auto
+    # Ray: null starts a local Ray instance; "auto" or "ray://host:port" joins a cluster.
+    ray_address: Optional[str] = None
+    # CPUs Ray may schedule on a local instance (null = all cores).
+    num_cpus: Optional[int] = None
+    # Per-actor resource requests. Rollout and training alternate in synchronous mode, so on a
+    # small CPU box they may share cores; on GPU each actor takes one device.
+    rollout_cpus_per_engine: float = 1.0
+    trainer_cpus_per_rank: float = 0.5
+
+
+@dataclass
+class ModelConfig:
+    # A local HF folder or a hub id; the same code path for the tiny demo model and real ones.
+    path: str = "work/tiny-vlm"
+    dtype: DType = DType.float32
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_shards: str = "work/data/colors/train-{000000..000003}.tar"
+    heldout_shards: Optional[str] = "work/data/colors/heldout-000000.tar"
+    shuffle_buffer: int = 256
+    num_workers: int = 1
+
+
+@dataclass
+class ProcessorConfig:
+    # A registered processor name, "auto" (pick by the model's config.model_type), or module:attr.
+    name: str = "auto"
+    # Pixel budget per image, passed to the HF image processor; null = the model folder's default.
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
+    max_prompt_tokens: int = 1024
+
+
+@dataclass
+class RolloutConfig:
+    agent_loop: str = "single_turn"
+    num_engines: int = 1
+    prompts_per_step: int = 32
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Vision special tokens (<|image_pad|> ...) sampled in a response break the training forward;
+    # forbid them at sampling time and mask them identically in the trainer.
+    forbid_vision_tokens: bool = True
+    # Passed verbatim to vllm.LLM(...) (e.g. enforce_eager, max_model_len, gpu_memory_utilization).
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    # Extra environment for the engine process (e.g. VLLM_CPU_KVCACHE_SPACE).
+    engine_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RewardEntry:
+    # A registered reward name, "module:function" or "path/to/file.py:function".
+    name: str = "answer_match"
+    weight: float = 1.0
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "grpo"
+    advantage_args: dict[str, Any] = field(default_factory=dict)
+    policy_loss: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    loss_agg: LossAgg = LossAgg.token_mean
+    # Entropy bonus: a tiny random policy stalls without it (see ALGORITHMS/STACK notes).
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    world_size: int = 2
+    lr: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    # Sequences per forward/backward on one rank.
+    micro_batch_size: int = 64
+    # Merged over mmrl's ZeRO-3 defaults (mmrl.trainer.deepspeed_config).
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightSyncConfig:
+    # Parameters are gathered from ZeRO-3 shards and sent in buckets of about this size.
+    bucket_mb: float = 64.0
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 5
+    # Held-out prompts per evaluation (null = all of heldout_shards).
+    num_prompts: Optional[int] = None
+    # The reward whose "score" >= threshold counts as correct (greedy decoding).
+    threshold: float = 1.0
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress_bar: bool = True
+    # Print a metrics line to the console every k steps (0 = only the progress bar).
+    console_every: int = 10
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    processor: ProcessorConfig = field(default_factory=ProcessorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: list[RewardEntry] = field(default_factory=lambda: [RewardEntry()])
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,1 @@
+"""Controller: the training loop (loop.py), placement (placement.py), evaluation and metrics."""

@@ -1,0 +1,53 @@
+"""Metrics sinks: a JSONL file, TensorBoard, and the console (progress bar + periodic lines)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, *, total_steps: int, tensorboard: bool = True, progress_bar: bool = True,
+                 console_every: int = 10):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True) if progress_bar else None
+        self.console_every = console_every
+        self.last_heldout: float | None = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+        if "eval/heldout_accuracy" in metrics:
+            self.last_heldout = metrics["eval/heldout_accuracy"]
+        if self._bar is not None:
+            postfix = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
+                       "step_s": f"{metrics.get('time/step_s', float('nan')):.2f}"}
+            if self.last_heldout is not None:
+                postfix["heldout"] = f"{self.last_heldout:.3f}"
+            self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(1)
+        if self.console_every and step % self.console_every == 0:
+            keys = ["reward/mean", "eval/heldout_accuracy", "loss/pg", "actor/entropy", "actor/clip_fraction",
+                    "mismatch/mean_abs_logprob_diff", "time/step_s"]
+            line = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+            (self._bar.write if self._bar is not None else print)(f"[step {step}] {line}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()

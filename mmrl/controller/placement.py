@@ -1,0 +1,61 @@
+"""Which process does what, and with which resources. Printed by `mmrl train --dry-run`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mmrl.config.schema import Config
+
+
+@dataclass
+class Placement:
+    role: str
+    index: int
+    resources: dict[str, float]
+    work: str
+
+    def ray_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.resources.get("CPU", 0.0)}
+        if self.resources.get("GPU"):
+            opts["num_gpus"] = self.resources["GPU"]
+        return opts
+
+
+def placement_plan(cfg: Config, device: str) -> list[Placement]:
+    gpu = device == "cuda"
+    tp = int(cfg.rollout.engine_args.get("tensor_parallel_size", 1))
+    plan = [Placement("driver", 0, {"CPU": 0.0},
+                      f"controller loop, shard stream ({cfg.data.num_workers} loader workers), "
+                      f"processor '{cfg.processor.name}', rewards "
+                      f"{', '.join(r.name for r in cfg.rewards)}, metrics")]
+    for i in range(cfg.rollout.num_engines):
+        res = {"CPU": cfg.cluster.rollout_cpus_per_engine}
+        if gpu:
+            res["GPU"] = float(tp)
+        plan.append(Placement("rollout", i, res,
+                              f"vLLM engine ({'GPU x%d' % tp if gpu else 'CPU'}), agent loop "
+                              f"'{cfg.rollout.agent_loop}', n={cfg.rollout.group_size}, "
+                              f"~{-(-cfg.rollout.prompts_per_step // cfg.rollout.num_engines)} prompts/step"))
+    for r in range(cfg.trainer.world_size):
+        res = {"CPU": cfg.cluster.trainer_cpus_per_rank}
+        if gpu:
+            res["GPU"] = 1.0
+        plan.append(Placement("trainer", r, res,
+                              f"DeepSpeed ZeRO-3 rank {r}/{cfg.trainer.world_size} "
+                              f"({'nccl' if gpu else 'gloo'}), ~"
+                              f"{cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.trainer.world_size} "
+                              f"sequences/step" + (", sends weight buckets to the engines" if r == 0 else "")))
+    return plan
+
+
+def format_plan(plan: list[Placement]) -> str:
+    lines = [f"{'actor':<12} {'resources':<22} work"]
+    for p in plan:
+        res = ", ".join(f"{k}={v:g}" for k, v in p.resources.items())
+        lines.append(f"{p.role + '/' + str(p.index):<12} {res:<22} {p.work}")
+    total = {}
+    for p in plan:
+        for k, v in p.resources.items():
+            total[k] = total.get(k, 0.0) + v
+    lines.append("total Ray resources requested: " + ", ".join(f"{k}={v:g}" for k, v in total.items()))
+    return "\n".join(lines)

@@ -1,0 +1,8 @@
+"""Model-family adapters: one processor call per sample gives the vLLM input and the trainer input.
+
+Built-ins register on import; `build_processor` picks one by name or by the model's model_type.
+"""
+from mmrl.processors.base import ProcessedPrompt, build_processor
+from mmrl.processors import qwen_vl  # noqa: F401  (registers "qwen_vl")
+
+__all__ = ["ProcessedPrompt", "build_processor"]

@@ -1,0 +1,59 @@
+"""The processor contract shared by every model family."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmrl import registry
+
+
+class PromptRejected(ValueError):
+    """A sample cannot be turned into a prompt without corrupting it (e.g. truncation inside a
+    vision block). The sample is skipped with this reason; training goes on."""
+
+
+@dataclass
+class ProcessedPrompt:
+    """Everything both sides need for one prompt, from ONE processor call.
+
+    vLLM gets `vllm_input` (prompt ids with one pad token per image/video, which vLLM expands
+    itself, plus the raw media). The trainer gets `prompt_ids` (already expanded), the vision
+    tensors in `mm_inputs`, and the M-RoPE positions `position_ids_3P` of the prompt; response
+    token t sits at position `next_position + t` on all three axes.
+    """
+
+    key: str
+    vllm_input: dict[str, Any]
+    prompt_ids: list[int]
+    position_ids_3P: torch.Tensor
+    next_position: int
+    mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+# model_type (from the model's config.json) -> registered processor name
+FAMILIES: dict[str, str] = {
+    "qwen2_vl": "qwen_vl",
+    "qwen2_5_vl": "qwen_vl",
+    "qwen3_vl": "qwen_vl",
+}
+
+
+def build_processor(name: str, model_path: str, **kwargs: Any) -> Any:
+    """Instantiate the processor adapter `name` ("auto" = by the model's model_type)."""
+    if name == "auto":
+        from transformers import AutoConfig
+
+        model_type = AutoConfig.from_pretrained(model_path).model_type
+        if model_type not in FAMILIES:
+            raise registry.PluginError(
+                f"no processor adapter for model_type {model_type!r} (model {model_path}); supported: "
+                f"{', '.join(FAMILIES)}. Set processor.name to a registered adapter or 'module:Class'.")
+        name = FAMILIES[model_type]
+    cls = registry.resolve("processor", name)
+    return cls(model_path, **kwargs)

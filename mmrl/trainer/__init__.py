@@ -1,0 +1,1 @@
+"""Trainer: DeepSpeed ZeRO-3 ranks in Ray actors (worker.py) consuming token batches (batch.py)."""

@@ -1,0 +1,125 @@
+"""From trajectories to padded tensors for the training forward.
+
+Layout of a micro-batch: prompts are LEFT-padded and responses RIGHT-padded, so every row's
+response starts at the same column P. The model then only projects the hidden states of the
+response columns to vocabulary logits (`logits_to_keep`), which keeps the logits tensor at
+(B, T, V) instead of (B, P+T, V).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+
+from mmrl.processors.base import ProcessedPrompt
+
+
+@dataclass
+class TrainSequence:
+    """One prompt + one response, with everything the loss needs. Small and picklable: it is
+    what crosses the process boundary from the controller to a trainer rank."""
+
+    prompt_ids: list[int]
+    position_ids_3P: torch.Tensor
+    next_position: int
+    mm_inputs: dict[str, torch.Tensor]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    loss_mask: list[int]
+    advantage: float = 0.0
+    extras: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_prompt(cls, prompt: ProcessedPrompt, response_ids: list[int], behaviour_logprobs: list[float],
+                    loss_mask: list[int], advantage: float = 0.0) -> "TrainSequence":
+        return cls(prompt_ids=prompt.prompt_ids, position_ids_3P=prompt.position_ids_3P,
+                   next_position=prompt.next_position, mm_inputs=prompt.mm_inputs, response_ids=response_ids,
+                   behaviour_logprobs=behaviour_logprobs, loss_mask=loss_mask, advantage=advantage)
+
+
+@dataclass
+class MicroBatch:
+    input_ids_BL: torch.Tensor
+    attention_mask_BL: torch.Tensor
+    position_ids_3BL: torch.Tensor
+    mm_inputs: dict[str, torch.Tensor]
+    response_ids_BT: torch.Tensor
+    mask_BT: torch.Tensor
+    behaviour_logprobs_BT: torch.Tensor
+    advantages_B: torch.Tensor
+    logits_to_keep: torch.Tensor  # columns whose logits predict the response tokens
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids_BL, "attention_mask": self.attention_mask_BL,
+                "position_ids": self.position_ids_3BL, "logits_to_keep": self.logits_to_keep,
+                "use_cache": False, **self.mm_inputs}  # type: ignore[dict-item]
+
+
+def collate(seqs: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
+    B = len(seqs)
+    P = max(len(s.prompt_ids) for s in seqs)
+    T = max(max(len(s.response_ids) for s in seqs), 1)
+    L = P + T
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.long)
+    positions = torch.zeros((3, B, L), dtype=torch.long)
+    response = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    behaviour = torch.zeros((B, T), dtype=torch.float32)
+    for i, s in enumerate(seqs):
+        n_p, n_r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[i, P - n_p:P] = torch.tensor(s.prompt_ids)
+        attention[i, P - n_p:P + n_r] = 1
+        positions[:, i, P - n_p:P] = s.position_ids_3P
+        # response tokens continue the text positions after the prompt's largest position
+        positions[:, i, P:] = s.next_position + torch.arange(T)
+        if n_r:
+            input_ids[i, P:P + n_r] = torch.tensor(s.response_ids)
+            response[i, :n_r] = torch.tensor(s.response_ids)
+            mask[i, :n_r] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            behaviour[i, :n_r] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+    mm_keys = sorted({k for s in seqs for k in s.mm_inputs})
+    mm_inputs = {k: torch.cat([s.mm_inputs[k] for s in seqs if k in s.mm_inputs]) for k in mm_keys}
+    return MicroBatch(input_ids_BL=input_ids, attention_mask_BL=attention, position_ids_3BL=positions,
+                      mm_inputs=mm_inputs, response_ids_BT=response, mask_BT=mask,
+                      behaviour_logprobs_BT=behaviour,
+                      advantages_B=torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
+                      logits_to_keep=torch.arange(P - 1, P + T - 1))
+
+
+def split_even(items: Sequence, parts: int) -> list[list]:
+    """Contiguous near-equal parts (some may be empty when len(items) < parts)."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+def micro_batches(seqs: Sequence[TrainSequence], num_micro: int) -> list[tuple[list[TrainSequence], bool]]:
+    """Exactly `num_micro` chunks, as (chunk, is_filler). Every ZeRO-3 rank must run the same
+    number of forwards or the parameter all-gathers deadlock, so a rank with fewer sequences than
+    micro-batches runs fillers: a copy of one sequence with an all-zero loss mask."""
+    if not seqs:
+        raise ValueError("a trainer rank got no sequences; the batch must have at least world_size sequences")
+    filler = replace(seqs[0], loss_mask=[0] * len(seqs[0].loss_mask), advantage=0.0)
+    return [(chunk, False) if chunk else ([filler], True) for chunk in split_even(seqs, num_micro)]
+
+
+def sampling_logprobs(logits_BTV: torch.Tensor, response_ids_BT: torch.Tensor, temperature: float,
+                      forbidden_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the response tokens and the entropy, under the distribution vLLM sampled from:
+    logit bias of -100 on forbidden tokens (vLLM clamps bias to +-100), then temperature."""
+    logits = logits_BTV.float()
+    if forbidden_token_ids:
+        bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        bias[list(forbidden_token_ids)] = -100.0
+        logits = logits + bias
+    logits = logits / temperature
+    logp_BTV = torch.log_softmax(logits, dim=-1)
+    logprobs_BT = logp_BTV.gather(-1, response_ids_BT.unsqueeze(-1)).squeeze(-1)
+    entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
+    return logprobs_BT, entropy_BT

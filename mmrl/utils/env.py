@@ -1,0 +1,60 @@
+"""Process environment for the engines: the same code selects CPU or CUDA settings."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    return device
+
+
+def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for vLLM / DeepSpeed processes. On CPU: offline hub, a small KV cache, and
+    caches and RPC sockets inside the run dir instead of ~/.cache and /tmp."""
+    run = Path(run_dir).resolve()
+    env = {
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_CACHE_ROOT": str(run / ".cache" / "vllm"),
+        "VLLM_RPC_BASE_PATH": str(run / ".cache" / "vllm_rpc"),
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                               str(Path.home() / ".cache" / "mmrl" / "torch_extensions")),
+    }
+    if device == "cpu":
+        env.update({"DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+    env.update(extra or {})
+    for key in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH"):
+        Path(env[key]).mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def apply_env(env: dict[str, str]) -> None:
+    os.environ.update(env)
+
+
+def cleanup_shm(prefix: str = "deepspeed_allreduce_buffer") -> int:
+    """DeepSpeed's CPU shm all-reduce leaves ~66 MB files in /dev/shm after each run; remove ours."""
+    removed = 0
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        for f in shm.glob(prefix + "*"):
+            try:
+                if f.stat().st_uid == os.getuid():
+                    f.unlink() if f.is_file() else shutil.rmtree(f)
+                    removed += 1
+            except OSError:
+                pass
+    return removed

@@ -1,0 +1,33 @@
+"""Shared fixtures: the tiny model and the colours shards are built once per session, locally."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mmrl.models.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm("qwen2_5_vl", tmp_path_factory.mktemp("tiny") / "qwen2_5_vl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def colors_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mmrl.data.recipes.colors import build
+
+    out = tmp_path_factory.mktemp("colors")
+    build(out, train_size=1024, heldout_size=64, shard_size=512, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def colors_samples(colors_dir: Path) -> list:
+    from mmrl.data.stream import load_all
+
+    return load_all(str(colors_dir / "heldout-000000.tar"))

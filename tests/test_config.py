@@ -1,0 +1,103 @@
+"""Typed config: merging, overrides, and errors that name the key path and the fix."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mmrl.cli import main
+from mmrl.config import ConfigError, load_config
+from mmrl.config.schema import Config, LossAgg
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "configs" / "colors_demo.yaml")
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_demo_config_loads_with_overrides() -> None:
+    cfg = load_config(DEMO, ["rollout.group_size=4", "trainer.lr=3e-4", "algorithm.loss_agg=seq_mean_token_mean",
+                             "trainer.deepspeed.bf16.enabled=true"], check_files=False)
+    assert isinstance(cfg, Config)
+    assert cfg.rollout.group_size == 4 and cfg.trainer.lr == pytest.approx(3e-4)
+    assert cfg.algorithm.loss_agg is LossAgg.seq_mean_token_mean
+    assert cfg.trainer.deepspeed == {"bf16": {"enabled": True}}  # native DeepSpeed JSON passes through
+    assert cfg.run.output_dir == "runs/colors-demo"  # interpolation resolved
+    assert [r.name for r in cfg.rewards] == ["shape_colour", "first_word_in"]
+
+
+@pytest.mark.parametrize("override, key, hint", [
+    ("rollout.groupsize=4", "rollout.groupsize", "Did you mean 'rollout.group_size'?"),
+    ("trainr.lr=1", "trainr", "Did you mean 'trainer'?"),
+    ("algorithm.clip=0.3", "algorithm.clip", "clip_low, clip_high"),
+])
+def test_unknown_key_names_path_and_allowed(override: str, key: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(DEMO, [override], check_files=False)
+    assert f"'{key}'" in str(err.value) and hint in str(err.value)
+
+
+def test_wrong_type_and_bad_enum() -> None:
+    with pytest.raises(ConfigError, match=r"'rollout.group_size'.*could not be converted to Integer"):
+        load_config(DEMO, ["rollout.group_size=many"], check_files=False)
+    with pytest.raises(ConfigError, match=r"'model.dtype'.*float32, bfloat16"):
+        load_config(DEMO, ["model.dtype=fp16"], check_files=False)
+    with pytest.raises(ConfigError, match=r"'rollout.group_size'.*at least 2"):
+        load_config(DEMO, ["rollout.group_size=1"], check_files=False)
+
+
+def test_unknown_key_inside_reward_list_has_index(tmp_path: Path) -> None:
+    path = _write(tmp_path, """
+        rewards:
+          - name: answer_match
+          - nmae: shape_colour
+    """)
+    with pytest.raises(ConfigError, match=r"'rewards\[1\]\.nmae'.*Did you mean 'rewards\[1\]\.name'"):
+        load_config(path, check_files=False)
+
+
+def test_missing_config_file() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("no/such/config.yaml")
+
+
+def test_missing_shards_and_model(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'data.train_shards'.*mmrl data build colors"):
+        load_config(DEMO, [f"model.path={tiny_model_dir}", f"data.train_shards={tmp_path}/none-{{000..001}}.tar"])
+    with pytest.raises(ConfigError, match=r"'model.path'.*mmrl tiny-model"):
+        load_config(DEMO, [f"model.path={tmp_path}/no-model"])
+
+
+def test_reward_plugin_path_that_does_not_import(tmp_path: Path) -> None:
+    broken = tmp_path / "my_rewards.py"
+    broken.write_text("import not_a_real_module_xyz\n\ndef good(response, **_):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match=r"rewards\[0\]\.name.*importing .*my_rewards.py failed.*ModuleNotFoundError"):
+        load_config(DEMO, [f"rewards=[{{name: '{broken}:good'}}]"], check_files=False)
+    with pytest.raises(ConfigError, match=r"unknown reward plugin 'no_such_reward'.*Registered reward plugins"):
+        load_config(DEMO, ["rewards=[{name: no_such_reward}]"], check_files=False)
+    with pytest.raises(ConfigError, match=r"module 'nopkg_xyz.rewards' does not import"):
+        load_config(DEMO, ["rewards=[{name: 'nopkg_xyz.rewards:fn'}]"], check_files=False)
+
+
+def test_cli_reports_config_errors_as_one_paragraph(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", DEMO, "rollout.groupsize=4", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmrl: error: Unknown config key 'rollout.groupsize'")
+    assert "Traceback" not in err and "\n\n" not in err.strip()
+
+
+def test_dry_run_prints_config_and_placement(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path,
+                                             colors_dir: Path) -> None:
+    rc = main(["train", DEMO, f"model.path={tiny_model_dir}",
+               f"data.train_shards={colors_dir}/train-{{000000..000001}}.tar",
+               f"data.heldout_shards={colors_dir}/heldout-000000.tar", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "group_size: 8" in out and "# placement (device: cpu)" in out
+    assert "rollout/0" in out and "trainer/0" in out and "trainer/1" in out
+    assert "DeepSpeed ZeRO-3 rank 1/2 (gloo)" in out
