@@ -34,8 +34,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("# resolved config\n" + to_yaml(cfg))
         print(f"# placement (device: {device})\n" + format_plan(placement_plan(cfg, device)))
         return 0
+    import signal
+
     from mmrl.controller.loop import train
 
+    # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the engines shut down cleanly and
+    # release their shared memory.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     summary = train(cfg)
     curve = summary.pop("heldout_curve", [])
     print("held-out accuracy by step: " + ", ".join(f"{s}:{a:.3f}" for s, a, _ in curve))

@@ -17,7 +17,7 @@ from torch import Tensor
 from mmrl.registry import register
 
 __all__ = [
-    "ppo_clip", "aggregate", "aggregate_sum", "aggregate_denominator", "entropy_from_logits",
+    "ppo_clip", "aggregate", "aggregate_sum", "aggregate_denominator", "entropy_from_logits", "entropy_from_logprobs",
     "AGG_MODES", "ADDITIVE_MODES", "LOG_RATIO_CLAMP",
 ]
 
@@ -177,7 +177,12 @@ def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
     Logits of -inf (masked vocabulary entries) contribute 0 without producing nan gradients.
     """
     x = logits_BTV.float() if logits_BTV.dtype in (torch.float16, torch.bfloat16) else logits_BTV
-    logp = F.log_softmax(x, dim=-1)
+    return entropy_from_logprobs(F.log_softmax(x, dim=-1))
+
+
+def entropy_from_logprobs(logp: Tensor) -> Tensor:
+    """Per-token entropy (B, T) from full-vocabulary log-probs (B, T, V), when the caller already
+    has them (the trainer does: it gathers the sampled tokens' logprobs from the same tensor)."""
     p = logp.exp()
     # p·log p is 0·(-inf) = nan where p == 0: zero those log p first (masked_fill has a safe grad).
     logp_safe = logp.masked_fill(torch.isinf(logp), 0.0)

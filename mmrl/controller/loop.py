@@ -2,6 +2,7 @@
 weight sync, with held-out evaluation and metrics every step."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -54,9 +55,9 @@ class Runtime:
 
     def close(self) -> None:
         try:
-            ray.get([t.shutdown.remote() for t in self.trainers], timeout=60)
-        except Exception:
-            pass
+            ray.get([a.shutdown.remote() for a in self.trainers + self.engines], timeout=60)
+        except Exception as e:  # still kill the actors below; say why the clean stop failed
+            print(f"[mmrl] warning: clean shutdown failed ({type(e).__name__}: {e}); killing actors")
         for actor in self.engines + self.trainers:
             ray.kill(actor)
         if self.device == "cpu":
@@ -141,9 +142,21 @@ def evaluate(rt: Runtime, heldout: list[tuple[Sample, ProcessedPrompt]]) -> dict
     greedy = SamplingConfig(n=1, max_new_tokens=rt.sampling.max_new_tokens, temperature=1.0,
                             forbidden_token_ids=rt.sampling.forbidden_token_ids, greedy=True)
     groups = loop(RolloutContext(rt.engines, greedy, rt.weight_version), [p for _, p in heldout])
-    score_groups(rt.rewards, rt.processor, [s for s, _ in heldout], groups)
+    samples = [s for s, _ in heldout]
+    score_groups(rt.rewards, rt.processor, samples, groups)
     correct = [g[0].reward >= rt.cfg.eval.threshold for g in groups]
-    return {"eval/heldout_accuracy": float(np.mean(correct)), "eval/num_prompts": float(len(correct))}
+    metrics = {"eval/heldout_accuracy": float(np.mean(correct)), "eval/num_prompts": float(len(correct))}
+    # Accuracy per answer (when answers are a small set of labels) shows which class is stuck.
+    answers = [s.answer for s in samples]
+    if all(isinstance(a, str) for a in answers) and len(set(answers)) <= 20:
+        for label in sorted(set(answers)):
+            hits = [c for c, a in zip(correct, answers) if a == label]
+            metrics[f"eval/accuracy_by_answer/{label}"] = float(np.mean(hits))
+    examples = [{"key": s.key, "answer": s.answer, "response": g[0].text, "reward": g[0].reward}
+                for s, g in list(zip(samples, groups))[:8]]
+    with open(rt.run_dir / "eval_samples.jsonl", "a") as f:
+        f.write(json.dumps({"weight_version": rt.weight_version, "examples": examples}) + "\n")
+    return metrics
 
 
 def build_step_inputs(prompts: list[ProcessedPrompt], groups: list[list[Trajectory]], advantages_BG: torch.Tensor,

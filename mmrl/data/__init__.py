@@ -1,4 +1,4 @@
 """Data: webdataset shards -> Sample objects (stream.py); dataset recipes (recipes/)."""
-from mmrl.data.sample import Sample
+from mmrl.data.sample import Sample, Video
 
-__all__ = ["Sample"]
+__all__ = ["Sample", "Video"]

@@ -95,3 +95,11 @@ class RolloutEngine:
 
     def get_weight_version(self) -> int:
         return self.weight_version
+
+    def shutdown(self) -> None:
+        """Stop the engine core process cleanly: killing the actor outright leaves vLLM's
+        shared-memory ring buffers (hundreds of MB in /dev/shm) behind."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            self.llm = None

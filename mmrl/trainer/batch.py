@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from mmrl.algorithms.losses import entropy_from_logprobs
 from mmrl.processors.base import ProcessedPrompt
 
 
@@ -121,5 +122,4 @@ def sampling_logprobs(logits_BTV: torch.Tensor, response_ids_BT: torch.Tensor, t
     logits = logits / temperature
     logp_BTV = torch.log_softmax(logits, dim=-1)
     logprobs_BT = logp_BTV.gather(-1, response_ids_BT.unsqueeze(-1)).squeeze(-1)
-    entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
-    return logprobs_BT, entropy_BT
+    return logprobs_BT, entropy_from_logprobs(logp_BTV)

@@ -1,0 +1,61 @@
+"""The Qwen-VL adapter: one processor call feeds vLLM and the trainer consistently, and its
+explicit M-RoPE positions are exactly what the model family computes for itself."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+from mmrl.models.tiny_vlm import build_tiny_vlm
+from mmrl.processors import build_processor
+from mmrl.processors.base import PromptRejected
+from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def test_explicit_positions_match_the_models_own(arch: str, tmp_path: Path, colors_samples: list) -> None:
+    model_dir = build_tiny_vlm(arch, tmp_path / arch, seed=1)
+    proc = build_processor("auto", str(model_dir))
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    prompts = [proc(s) for s in colors_samples[:3]]
+    responses = [[11, 12, 13], [14], [15, 16]]
+    seqs = [TrainSequence.from_prompt(p, r, [0.0] * len(r), [1] * len(r)) for p, r in zip(prompts, responses)]
+    mb = collate(seqs, proc.pad_token_id)
+    with torch.no_grad():
+        ours = model(**mb.model_inputs()).logits
+    # reference: each sequence alone, unpadded, positions computed by the model from mm_token_type_ids
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids = torch.tensor([p.prompt_ids + r])
+        types = torch.tensor([[1 if t == proc.image_token_id else 0 for t in ids[0].tolist()]])
+        with torch.no_grad():
+            ref = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                        use_cache=False, **p.mm_inputs).logits[0, len(p.prompt_ids) - 1:-1]
+        assert torch.allclose(ours[i, :len(r)], ref, atol=1e-4), (arch, i, (ours[i, :len(r)] - ref).abs().max())
+
+
+def test_vllm_prompt_is_the_trainer_prompt_with_one_pad_per_image(tiny_model_dir: Path, colors_samples: list) -> None:
+    proc = build_processor("qwen_vl", str(tiny_model_dir))
+    p = proc(colors_samples[0])
+    text = proc.tokenizer.decode(p.vllm_input["prompt_token_ids"])
+    assert text.count("<|image_pad|>") == 1 and "What colour is the shape?" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert p.prompt_ids.count(proc.image_token_id) == 4  # 56x56, patch 14, merge 2
+    assert p.mm_inputs["pixel_values"].shape[0] == int(p.mm_inputs["image_grid_thw"].prod())
+
+
+def test_prompt_longer_than_limit_is_rejected_not_truncated(tiny_model_dir: Path, colors_samples: list) -> None:
+    proc = build_processor("qwen_vl", str(tiny_model_dir), max_prompt_tokens=10)
+    with pytest.raises(PromptRejected, match="max_prompt_tokens=10"):
+        proc(colors_samples[0])
+
+
+def test_sampling_logprobs_apply_bias_and_temperature() -> None:
+    logits_BTV = torch.tensor([[[1.0, 2.0, 3.0, 0.5]]])
+    ids_BT = torch.tensor([[1]])
+    lp, ent = sampling_logprobs(logits_BTV, ids_BT, temperature=2.0, forbidden_token_ids=[2])
+    expected = torch.log_softmax(torch.tensor([1.0, 2.0, 3.0 - 100.0, 0.5]) / 2.0, -1)[1]
+    assert torch.allclose(lp[0, 0], expected)
+    p = torch.softmax(torch.tensor([1.0, 2.0, -97.0, 0.5]) / 2.0, -1)
+    assert torch.allclose(ent[0, 0], -(p * p.log()).sum(), atol=1e-6)
