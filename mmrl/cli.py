@@ -1,4 +1,4 @@
-"""The `mmrl` command line: train, tiny-model, data build, plugins list."""
+"""The `mmrl` command line: train, tiny-model, data build/convert/inspect, plugins list."""
 from __future__ import annotations
 
 import argparse
@@ -57,13 +57,62 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _user_value_errors(fn: Any) -> Any:
+    """Data commands: a ValueError (a bad option value) is the user's to fix: print it, exit 2."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ValueError, TypeError) as e:
+            print("mmrl: error: " + textwrap.fill(str(e), width=100, subsequent_indent="  "), file=sys.stderr)
+            return 2
+    return wrapper
+
+
+@_user_value_errors
 def cmd_data_build(args: argparse.Namespace) -> int:
     from mmrl import registry
 
+    import inspect
+
     build = registry.resolve("dataset", args.name)
-    info = build(args.out, **_parse_kv(args.options))
+    options = _parse_kv(args.options)
+    params = inspect.signature(build).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        known = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(unknown)} for dataset recipe {args.name!r}; "
+                             f"its options are: {', '.join(known)}")
+    info = build(args.out, **options)
     print(json.dumps(info, indent=2, default=str))
     return 0
+
+
+@_user_value_errors
+def cmd_data_convert(args: argparse.Namespace) -> int:
+    from mmrl.data.convert import convert, format_report
+
+    info = convert(args.src, args.out, source_format=args.source_format, media_root=args.media_root,
+                   shard_size_mb=args.shard_size_mb, split=args.split, limit=args.limit,
+                   require_answer=not args.allow_no_answer)
+    print(format_report(info))
+    print(f"manifest: {os.path.join(args.out, 'dataset.json')}")
+    return 0 if sum(info["counts"].values()) else 1
+
+
+@_user_value_errors
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    from mmrl.data.inspect import inspect_shards, print_report
+
+    stats = inspect_shards(args.shards, model=args.model, limit=args.limit)
+    if args.json:
+        print(json.dumps(stats, indent=2, default=str))
+    else:
+        print_report(stats)
+    return 0 if stats["samples"]["good"] else 1
 
 
 def cmd_plugins_list(args: argparse.Namespace) -> int:
@@ -95,13 +144,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--words", default=None, help="comma-separated answer words kept as single tokens")
     p.set_defaults(func=cmd_tiny_model)
 
-    p = sub.add_parser("data", help="dataset recipes")
+    p = sub.add_parser("data", help="dataset recipes, converters and inspection")
     data_sub = p.add_subparsers(dest="data_command", required=True)
     b = data_sub.add_parser("build", help="write a dataset recipe's webdataset shards")
     b.add_argument("name", help="recipe name (see `mmrl plugins list --kind dataset`)")
     b.add_argument("--out", required=True)
     b.add_argument("options", nargs="*", help="recipe options as key=value, e.g. train_size=2048")
     b.set_defaults(func=cmd_data_build)
+    c = data_sub.add_parser(
+        "convert", help="convert JSONL + media, Parquet (verl/EasyR1 columns) or a save_to_disk "
+                        "folder into webdataset shards")
+    c.add_argument("--from", dest="source_format", required=True, choices=["jsonl", "parquet", "hf"])
+    c.add_argument("--src", required=True, help="source file or folder")
+    c.add_argument("--out", required=True, help="output folder for the shards and dataset.json")
+    c.add_argument("--shard-size-mb", type=float, default=64.0, help="target shard size (MB, default 64)")
+    c.add_argument("--media-root", default=None,
+                   help="folder that relative media paths start from (default: the source's folder)")
+    c.add_argument("--split", default="train", help="shard name prefix (default: train; an hf "
+                                                    "DatasetDict keeps its own split names)")
+    c.add_argument("--limit", type=int, default=None, help="convert at most N source rows per split")
+    c.add_argument("--allow-no-answer", action="store_true", help="keep rows without an answer")
+    c.set_defaults(func=cmd_data_convert)
+    i = data_sub.add_parser("inspect", help="counts, media sizes, answers, prompt lengths and bad "
+                                            "samples of shards")
+    i.add_argument("shards", nargs="+", help="shard files, brace patterns (DIR/train-{000000..000003}.tar) "
+                                            "or a folder of .tar files")
+    i.add_argument("--model", default=None, help="model folder whose tokenizer measures prompt lengths "
+                                                 "(default: characters)")
+    i.add_argument("--limit", type=int, default=None, help="look at the first N samples only")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(func=cmd_data_inspect)
 
     p = sub.add_parser("plugins", help="registered plugins")
     plug_sub = p.add_subparsers(dest="plugins_command", required=True)
@@ -113,7 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse gives a trailing nargs="*" positional nothing once an option sits between it
+        # and the positional before it (`data build NAME --out DIR k=v`): collect those here.
+        if getattr(args, "func", None) is cmd_data_build and all(
+                "=" in e and not e.startswith("-") for e in extra):
+            args.options = list(args.options) + extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from mmrl.config.load import ConfigError
     from mmrl.registry import PluginError
 

@@ -74,3 +74,24 @@ def test_logprob_parity_before_and_after_weight_sync(runtime: Runtime, colors_sa
     _, after = _rollout_and_compare(rt, prompts)
     assert after.mean() <= 1e-4, after.mean()
     print(f"parity mean|d|: before {before.mean():.2e}, control {control.mean():.2e}, after {after.mean():.2e}")
+
+
+@pytest.mark.timeout(300)
+def test_text_only_micro_batch_on_one_rank_does_not_hang(runtime: Runtime, colors_samples: list) -> None:
+    """Rank 0 gets image prompts, rank 1 text-only ones: rank 1 must still run the vision tower
+    (zero-weighted) or the ZeRO-3 parameter gathers on rank 0 wait forever."""
+    from mmrl.data.sample import Sample, messages_from_prompt
+
+    rt = runtime
+    image_prompts = [rt.processor(s) for s in colors_samples[:2]]
+    text_prompts = [rt.processor(Sample(key=f"t{i}", messages=messages_from_prompt(f"Name colour number {i}.")))
+                    for i in range(2)]
+    assert not text_prompts[0].mm_inputs
+    shards = [[TrainSequence.from_prompt(p, [11, 12], [-1.0, -1.0], [1, 1], advantage=1.0) for p in prompts]
+              for prompts in (image_prompts, text_prompts)]
+    logprobs = ray.get([tr.compute_logprobs.remote(s, 1) for tr, s in zip(rt.trainers, shards)], timeout=240)
+    assert [len(x) for x in logprobs] == [2, 2]
+    from mmrl.trainer.worker import StepInputs
+
+    stats = ray.get([tr.train_step.remote(StepInputs(s, 1, 8.0)) for tr, s in zip(rt.trainers, shards)], timeout=240)
+    assert all(np.isfinite(s["grad_norm"]) for s in stats)

@@ -4,23 +4,42 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from mmrl.data.sample import Sample, Video, messages_from_prompt
 from mmrl.models.tiny_vlm import build_tiny_vlm
 from mmrl.processors import build_processor
 from mmrl.processors.base import PromptRejected
 from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
 
 
+def _video_and_multi_image_samples(colors_samples: list) -> list[Sample]:
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, (8, 56, 56, 3), dtype=np.uint8)
+    video = Video(frames=frames, fps=2.0, frame_indices=list(range(0, 16, 2)), source_fps=4.0, total_num_frames=16)
+    a, b = colors_samples[0].images[0], colors_samples[1].images[0]
+    return [
+        Sample(key="video", messages=messages_from_prompt("Which way?", n_videos=1), videos=[video]),
+        Sample(key="two-images", messages=messages_from_prompt("Same colour?", n_images=2), images=[a, b]),
+        Sample(key="mixed", messages=[{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "then"}, {"type": "video"}, {"type": "text", "text": "?"}]}],
+            images=[a], videos=[video]),
+    ]
+
+
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_explicit_positions_match_the_models_own(arch: str, tmp_path: Path, colors_samples: list) -> None:
+    """Image, multi-image, video and mixed prompts, batched with padding, against each
+    sequence alone with the model computing its own M-RoPE positions."""
     model_dir = build_tiny_vlm(arch, tmp_path / arch, seed=1)
     proc = build_processor("auto", str(model_dir))
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    prompts = [proc(s) for s in colors_samples[:3]]
-    responses = [[11, 12, 13], [14], [15, 16]]
+    samples = colors_samples[:2] + _video_and_multi_image_samples(colors_samples)
+    prompts = [proc(s) for s in samples]
+    responses = [[11, 12, 13], [14], [15, 16], [17, 18, 19, 20], [21]]
     seqs = [TrainSequence.from_prompt(p, r, [0.0] * len(r), [1] * len(r)) for p, r in zip(prompts, responses)]
     mb = collate(seqs, proc.pad_token_id)
     with torch.no_grad():
@@ -28,7 +47,8 @@ def test_explicit_positions_match_the_models_own(arch: str, tmp_path: Path, colo
     # reference: each sequence alone, unpadded, positions computed by the model from mm_token_type_ids
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids = torch.tensor([p.prompt_ids + r])
-        types = torch.tensor([[1 if t == proc.image_token_id else 0 for t in ids[0].tolist()]])
+        types = torch.tensor([[1 if t == proc.image_token_id else 2 if t == proc.video_token_id else 0
+                               for t in ids[0].tolist()]])
         with torch.no_grad():
             ref = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
                         use_cache=False, **p.mm_inputs).logits[0, len(p.prompt_ids) - 1:-1]

@@ -1,242 +1,51 @@
-"""webdataset shards -> `Sample`s.
+"""webdataset shards -> `Sample`s, with an exact resume cursor and quarantined bad samples.
 
-    stream = ShardStream("data/colors/train-{000000..000003}.tar", shuffle_buffer=1000,
-                         num_workers=2, rank=rank, world_size=world_size)
+    stream = ShardStream("data/train-{000000..000063}.tar", shuffle_buffer=1000, num_workers=2,
+                         rank=rank, world_size=world_size, quarantine_path="run/quarantine.jsonl")
     for sample in stream: ...                   # endless by default (epochs=None)
-    heldout = load_all("data/colors/heldout-{000000..000000}.tar")
+    ckpt["data"] = stream.state_dict()          # after any number of samples
+    stream = ShardStream(..., resume=ckpt["data"])  # continues with the next unseen sample
+
+How the order is made (and why it can be resumed exactly): everything is a function of
+(seed, epoch). Per epoch the shard list is shuffled (or, with resample=True, drawn with
+replacement) identically on every rank; the rank keeps shards rank, rank + world_size, ...; those
+are dealt to S = max(1, num_workers) *streams* (stream s reads shards s, s + S, ...), each with its
+own seeded shuffle buffer over raw samples. DataLoader worker s runs stream s, and the main
+process merges the streams round-robin itself (it does not rely on the order in which workers
+happen to deliver). The cursor is therefore (epoch, items taken from each stream, whose turn is
+next): on resume each stream replays its raw tar members and drops the first `consumed[s]` before
+anything is decoded, so a restart costs a re-read of the bytes, not a re-decode.
 
 Where the work happens:
-  main process   expand and check the URLs; per epoch, shuffle the shard list with (seed, epoch)
-                 (the same order on every rank), then count and drop bad-sample markers
-  each worker    its share of this rank's shards (webdataset node/worker split) -> tar members
-                 -> shuffle buffer on the raw bytes -> decode (JSON, PIL) -> Sample or marker
-A bad sample (bad JSON, undecodable image, no prompt, unreadable shard ...) is never fatal: the
-worker yields a small `_Bad` marker in its place, and the main-process iterator counts it in
-`stream.bad_counts` by reason and drops it, so the counts cover all workers.
+  main process   expand and check the URLs; per epoch the shard plan; merge the streams; count
+                 good and bad samples, write the quarantine report, enforce max_bad_ratio
+  each worker    its stream's shards -> tar members (bytes) -> shuffle buffer -> skip (resume)
+                 -> decode (JSON, PIL, video decoders; mmrl.data.decode) -> Sample or BadSample
 """
 from __future__ import annotations
 
-import io
-import itertools
-import json
+import copy
+import hashlib
 import logging
 import os
 import random
-import tarfile
 import warnings
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
-from urllib.parse import urlparse
 
-from PIL import Image, ImageOps
+from mmrl.data.decode import IMAGE_EXTS, VIDEO_EXTS, DecodeOptions, decode_sample
+from mmrl.data.quarantine import BadSample, BadSampleError, QuarantineLedger, TooManyBadSamples
+from mmrl.data.sample import Sample
+from mmrl.data.shards import ShardNotFoundError, expand_urls, read_shard
 
-from mmrl.data.sample import Sample, messages_from_prompt
+__all__ = ["ShardStream", "load_all", "expand_urls", "read_shard", "decode_sample", "DecodeOptions",
+           "BadSample", "BadSampleError", "TooManyBadSamples", "ShardNotFoundError", "IMAGE_EXTS",
+           "VIDEO_EXTS"]
 
 logger = logging.getLogger(__name__)
 
-IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
-VIDEO_EXTS = ("mp4", "webm", "avi", "mkv", "mov")
-BUILD_HINT = "build one with `mmrl data build colors --out DIR` and pass DIR/train-{000000..000003}.tar " \
-             "(DIR/dataset.json lists the exact shard patterns)"
-
-
-class ShardNotFoundError(FileNotFoundError):
-    """Local shard files named by the URLs do not exist. `missing` lists them all."""
-
-    def __init__(self, message: str, missing: list[str]):
-        super().__init__(message)
-        self.missing = missing
-
-    def __str__(self) -> str:  # FileNotFoundError's own __str__ would print "[Errno ...]" noise
-        return str(self.args[0])
-
-
-class BadSampleError(ValueError):
-    """A sample that cannot be used. `reason` is a short category (the key of `bad_counts`)."""
-
-    def __init__(self, reason: str, detail: str = "", key: str = "", url: str = ""):
-        self.reason, self.detail, self.key, self.url = reason, detail, key, url
-        where = f"sample {key!r}" + (f" in {url}" if url else "")
-        super().__init__(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
-
-
-# ------------------------------------------------------------------------------------------- URLs
-
-def _local_path(url: str) -> str | None:
-    """The file path of a local URL (plain path or file:), None for pipe:/http:/s3: ... URLs."""
-    if url.startswith("pipe:"):
-        return None
-    parsed = urlparse(url)
-    if parsed.scheme == "file":
-        return parsed.path
-    if parsed.scheme == "" or len(parsed.scheme) == 1:  # plain path (or a Windows drive letter)
-        return url
-    return None
-
-
-def expand_urls(spec: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
-    """Shard URLs from a spec: brace patterns ("train-{000000..000003}.tar"), "::"-separated lists,
-    Python lists of either, `pipe:CMD` URLs (kept as is, braces expanded), remote URLs.
-
-    Local paths are checked: missing files raise `ShardNotFoundError` naming each of them.
-    """
-    from webdataset.shardlists import expand_urls as _wds_expand  # '::' split, $WDS_ vars, braces
-
-    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    urls: list[str] = []
-    for s in specs:
-        s = os.fspath(s)
-        if not isinstance(s, str):
-            raise TypeError(f"shard url must be a string or a path, got {s!r}")
-        for url in _wds_expand(s):
-            url = url.strip()
-            if not url:
-                continue
-            path = _local_path(url)
-            if path is not None and path.startswith("~"):
-                url = os.path.expanduser(path)
-            urls.append(url)
-    if not urls:
-        raise ValueError(f"no shard urls in {spec!r}; {BUILD_HINT}")
-
-    missing, dirs = [], []
-    for url in urls:
-        path = _local_path(url)
-        if path is not None and not os.path.isfile(path):
-            (dirs if os.path.isdir(path) else missing).append(path)
-    if dirs:
-        raise ShardNotFoundError(
-            f"shard url(s) name a directory, not .tar shard files: {', '.join(dirs[:5])}. Give the shard "
-            f"files, e.g. {os.path.join(dirs[0], 'train-{000000..000003}.tar')} (see dataset.json there)",
-            dirs + missing)
-    if missing:
-        shown = ", ".join(missing[:50]) + (f" ... and {len(missing) - 50} more" if len(missing) > 50 else "")
-        msg = f"{len(missing)} of {len(urls)} shard file(s) not found: {shown}"
-        if len(missing) == len(urls):
-            msg += f". No shard matches {spec!r}: {BUILD_HINT}"
-        raise ShardNotFoundError(msg, missing)
-    return urls
-
-
-# ----------------------------------------------------------------------------------------- decode
-
-def _member_order(name: str) -> tuple[int, int, str]:
-    """"png" first, then "0.png", "1.png", ... numerically, then other prefixes by name."""
-    prefix = name.rpartition(".")[0]
-    if not prefix:
-        return (0, 0, name)
-    if prefix.isdigit():
-        return (1, int(prefix), name)
-    return (2, 0, name)
-
-
-def _decode_image(data: bytes) -> Image.Image:
-    with Image.open(io.BytesIO(data)) as im:
-        im.load()  # PIL is lazy: force the full decode here so a truncated file fails now
-        im = ImageOps.exif_transpose(im)
-        return im.convert("RGB")  # always a fresh in-memory image, detached from the buffer
-
-
-def _count_placeholders(messages: list[dict[str, Any]], kind: str) -> int:
-    n = 0
-    for msg in messages:
-        content = msg.get("content")
-        if isinstance(content, list):
-            n += sum(1 for c in content if isinstance(c, dict) and c.get("type") == kind)
-    return n
-
-
-def decode_sample(raw: dict[str, Any]) -> Sample:
-    """A webdataset raw sample (`__key__`, `__url__`, `json` bytes, image members) -> `Sample`.
-
-    Images: members ending in png/jpg/jpeg/webp ("png", or "0.png", "1.png", ... in index order),
-    decoded with PIL, EXIF-transposed, RGB. JSON: "prompt" (messages are built with one image
-    placeholder per image, optional "system") or "messages" (its image placeholders must match
-    the images); "answer" and "metadata" pass through. Raises `BadSampleError` with a reason.
-    """
-    key = str(raw.get("__key__", "?"))
-    url = str(raw.get("__url__", ""))
-
-    def bad(reason: str, detail: str = "") -> BadSampleError:
-        return BadSampleError(reason, detail, key, url)
-
-    members = sorted(k for k in raw if not k.startswith("__"))
-    if "json" not in raw:
-        raise bad("missing json", f"members: {', '.join(members) or '(none)'}")
-    meta = raw["json"]
-    if isinstance(meta, (bytes, bytearray, memoryview, str)):
-        try:
-            meta = json.loads(bytes(meta).decode("utf-8") if not isinstance(meta, str) else meta)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad("invalid json", str(e)) from None
-    if not isinstance(meta, dict):
-        raise bad("invalid json", f"top level must be an object, got {type(meta).__name__}")
-
-    videos = [k for k in members if k.rpartition(".")[2] in VIDEO_EXTS]
-    if videos:
-        raise bad("unsupported video", f"members {', '.join(videos)}: video decoding is not wired "
-                                       f"into decode_sample yet")
-    image_keys = sorted((k for k in members if k.rpartition(".")[2] in IMAGE_EXTS), key=_member_order)
-    images = []
-    for k in image_keys:
-        try:
-            images.append(_decode_image(raw[k]))
-        except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError ...
-            raise bad("undecodable image", f"{k}: {type(e).__name__}: {e}") from None
-
-    if meta.get("messages") is not None:
-        messages = meta["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and "role" in m for m in messages):
-            raise bad("invalid messages", "'messages' must be a non-empty list of {'role', 'content'} objects")
-        n_placeholders = _count_placeholders(messages, "image")
-        if n_placeholders != len(images):
-            raise bad("image count mismatch",
-                      f"{n_placeholders} image placeholder(s) in messages, {len(images)} image member(s)")
-        if _count_placeholders(messages, "video"):
-            raise bad("unsupported video", "video placeholders in messages")
-    elif isinstance(meta.get("prompt"), str) and meta["prompt"].strip():
-        system = meta.get("system")
-        messages = messages_from_prompt(meta["prompt"], n_images=len(images),
-                                        system=system if isinstance(system, str) else None)
-    else:
-        raise bad("no prompt", "json has neither a non-empty 'prompt' nor 'messages'")
-
-    metadata = meta.get("metadata")
-    if metadata is None:
-        metadata = {}
-    elif not isinstance(metadata, dict):
-        raise bad("invalid json", f"'metadata' must be an object, got {type(metadata).__name__}")
-    return Sample(key=key, messages=messages, images=images, answer=meta.get("answer"),
-                  metadata=metadata, source=url)
-
-
-# ------------------------------------------------------------------- pipeline pieces (picklable)
-
-@dataclass
-class _Bad:
-    """Stands in for a bad sample on its way from a worker to the main process."""
-    reason: str
-    key: str = ""
-    url: str = ""
-    detail: str = ""
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
-def _decode_or_bad(raw: dict[str, Any] | _Bad) -> Sample | _Bad:
-    if isinstance(raw, _Bad):
-        return raw
-    try:
-        return decode_sample(raw)
-    except BadSampleError as e:
-        return _Bad(e.reason, e.key, e.url, e.detail)
-    except Exception as e:  # a bug or an exotic input: still never fatal, but visible
-        return _Bad("decode error", str(raw.get("__key__", "?")), str(raw.get("__url__", "")),
-                    f"{type(e).__name__}: {e}")
+STATE_VERSION = 1
 
 
 def _mix(*parts: int) -> int:
@@ -245,113 +54,184 @@ def _mix(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
 
 
-def _worker_id() -> int:
-    import torch.utils.data
-    info = torch.utils.data.get_worker_info()
-    return 0 if info is None else info.id
+def _shuffled(items: Iterable[Any], bufsize: int, rng: random.Random) -> Iterator[Any]:
+    """A shuffle buffer: once full, each new item swaps out a random resident one. Deterministic
+    for a given rng and input order, which is all the resume cursor needs."""
+    buffer: list[Any] = []
+    for item in items:
+        if len(buffer) < bufsize:
+            buffer.append(item)
+            continue
+        i = rng.randrange(bufsize)
+        buffer[i], item = item, buffer[i]
+        yield item
+    rng.shuffle(buffer)
+    yield from buffer
 
 
-class _NodeSplit:
-    """Keep shards rank, rank + world_size, ... (explicit rank, not read from the environment)."""
-
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
-
-    def __call__(self, src: Iterable[Any]) -> Iterator[Any]:
-        return itertools.islice(src, self.rank, None, self.world_size)
-
-
-class _Shuffle:
-    """Shuffle buffer over raw samples, seeded per (seed, epoch, rank, worker)."""
-
-    def __init__(self, bufsize: int, seed: int, epoch: int, rank: int):
-        self.bufsize, self.seed, self.epoch, self.rank = bufsize, seed, epoch, rank
-
-    def __call__(self, src: Iterable[Any]) -> Iterator[Any]:
-        from webdataset.filters import _shuffle
-        rng = random.Random(_mix(self.seed, self.epoch, self.rank, _worker_id(), 0x5A))
-        return _shuffle(iter(src), bufsize=self.bufsize, initial=self.bufsize, rng=rng)
+@dataclass
+class _EpochPlan:
+    """What one epoch of this rank reads; pickled into the DataLoader workers."""
+    shards: list[str]
+    num_streams: int
+    epoch: int
+    seed: int
+    rank: int
+    shuffle_buffer: int
+    skip: list[int]  # per stream: items already delivered before a resume
+    options: DecodeOptions
 
 
-class _ErrorSink:
-    """webdataset's exception handler for shard-level failures (open, tar read, grouping): it
-    records a marker and lets the pipeline go on; `_Quarantine` puts the markers in the stream."""
-
-    def __init__(self) -> None:
-        self.pending: list[_Bad] = []
-        self.failed_urls: set[str] = set()
-
-    def __call__(self, exn: Exception) -> bool:
-        if isinstance(exn, (FileNotFoundError, PermissionError, IsADirectoryError)):
-            reason = "shard open error"
-        elif isinstance(exn, ValueError) and "duplicate file name" in str(exn):
-            reason = "duplicate member"
-        elif isinstance(exn, (tarfile.TarError, EOFError, OSError, ValueError)):
-            reason = "shard read error"
-        else:
-            reason = "shard error"
-        # tar_file_expander appends (stream, url) to the args; open errors carry a filename
-        urls = [a for a in getattr(exn, "args", ())[1:] if isinstance(a, str)]
-        url = urls[-1] if urls else str(getattr(exn, "filename", "") or "")
-        bad = _Bad(reason, "", url, f"{type(exn).__name__}: {exn.args[0] if exn.args else exn}")
-        if url:
-            self.failed_urls.add(url)
-        last = self.pending[-1] if self.pending else None
-        if last is not None and last.reason == reason and not last.url and url:
-            self.pending[-1] = bad  # one broken tar stream is reported twice (member, then shard)
-        else:
-            self.pending.append(bad)
-        return True
-
-    def drain(self) -> list[_Bad]:
-        out, self.pending = self.pending, []
-        return out
+def _stream_items(plan: _EpochPlan, stream_id: int) -> Iterator[Sample | BadSample]:
+    raw: Iterable[Any] = (item for url in plan.shards[stream_id::plan.num_streams] for item in read_shard(url))
+    if plan.shuffle_buffer > 1:
+        rng = random.Random(_mix(plan.seed, plan.epoch, plan.rank, stream_id, 0x5A))
+        raw = _shuffled(raw, plan.shuffle_buffer, rng)
+    skip = plan.skip[stream_id]
+    for position, item in enumerate(raw):
+        if position < skip:
+            continue  # delivered before the restart: drop the raw bytes, never decode them
+        yield item if isinstance(item, BadSample) else _decode_or_bad(item, plan.options)
 
 
-class _Quarantine:
-    """Right after tar grouping: emit shard-error markers into the stream, and replace the sample
-    that was being assembled when its shard broke (it may lack members) by a marker."""
+def _decode_or_bad(raw: dict[str, Any], options: DecodeOptions) -> Sample | BadSample:
+    try:
+        return decode_sample(raw, options)
+    except BadSampleError as e:
+        return BadSample.from_error(e)
+    except Exception as e:  # a bug or an exotic input: still never fatal, but visible
+        return BadSample("decode_error", str(raw.get("__key__", "?")), str(raw.get("__url__", "")),
+                         f"{type(e).__name__}: {e}")
 
-    def __init__(self, sink: _ErrorSink):
-        self.sink = sink
 
-    def __call__(self, src: Iterable[Any]) -> Iterator[Any]:
-        for raw in src:
-            failed, self.sink.failed_urls = self.sink.failed_urls, set()
-            yield from self.sink.drain()
-            if raw.get("__url__") in failed:
-                yield _Bad("truncated sample", str(raw.get("__key__", "?")), str(raw.get("__url__")),
-                           "its shard failed while this sample was being read")
-            else:
-                yield raw
-        yield from self.sink.drain()
+class _StreamEnd:
+    """Last item of every stream, so the main-process merge knows a stream is done."""
+
+
+def _to_shared(item: Any) -> Any:
+    """Video frames as torch tensors: the DataLoader queue moves those through shared memory
+    instead of pickling tens of MB through a pipe. `_from_shared` turns them back into numpy."""
+    if isinstance(item, Sample) and item.videos:
+        import torch
+        for video in item.videos:
+            video.frames = torch.from_numpy(video.frames)
+    return item
+
+
+def _from_shared(item: Any) -> Any:
+    if isinstance(item, Sample):
+        for video in item.videos:
+            if not hasattr(video.frames, "__array_interface__"):
+                video.frames = video.frames.numpy()
+    return item
+
+
+try:
+    from torch.utils.data import IterableDataset as _IterableDataset
+except ImportError:  # pragma: no cover - torch is a hard dependency of mmrl
+    _IterableDataset = object  # type: ignore[assignment,misc]
+
+
+class _EpochSource(_IterableDataset):  # type: ignore[misc,valid-type]
+    """DataLoader worker w runs stream w and tags each item with w."""
+
+    def __init__(self, plan: _EpochPlan):
+        self.plan = plan
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        import torch.utils.data
+        info = torch.utils.data.get_worker_info()
+        stream_id = 0 if info is None else info.id
+        for item in _stream_items(self.plan, stream_id):
+            yield stream_id, _to_shared(item)
+        yield stream_id, _StreamEnd()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+# ---------------------------------------------------------------------------- merge (main process)
+
+@dataclass
+class _Cursor:
+    """Where this rank's stream stands: the resume state without the bookkeeping."""
+    epoch: int
+    consumed: list[int]  # items (good or bad) taken from each stream this epoch
+    turn: int = 0  # the stream the round-robin merge reads next
+    good_in_epoch: int = 0
+    delivered: int = 0  # good samples handed out in all epochs
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.consumed = [0] * len(self.consumed)
+        self.turn = self.good_in_epoch = 0
+
+
+def _merge(tagged: Iterator[tuple[int, Any]], cursor: _Cursor) -> Iterator[Any]:
+    """Round-robin over the streams starting at cursor.turn, one item per turn, skipping ended
+    streams; advances the cursor BEFORE handing an item out, so a state taken right after
+    receiving it already counts it. Items that arrive early wait in per-stream queues."""
+    n = len(cursor.consumed)
+    queues: list[deque[Any]] = [deque() for _ in range(n)]
+    ended = [False] * n
+    while not all(ended):
+        s = cursor.turn
+        if ended[s]:
+            cursor.turn = (s + 1) % n
+            continue
+        while not queues[s]:
+            try:
+                source, item = next(tagged)
+            except StopIteration:
+                raise RuntimeError(f"data stream {s} ended without its end marker (a worker died?)") from None
+            queues[source].append(item)
+        item = queues[s].popleft()
+        cursor.turn = (s + 1) % n
+        if isinstance(item, _StreamEnd):
+            ended[s] = True
+            continue
+        cursor.consumed[s] += 1
+        yield _from_shared(item)
 
 
 # ----------------------------------------------------------------------------------------- stream
 
 class ShardStream:
-    """An iterable of `Sample`s from webdataset shards.
+    """An iterable of `Sample`s from webdataset shards (see the module docstring for the order).
 
     Args:
         urls: shard spec (see `expand_urls`).
-        shuffle_buffer: sample shuffle buffer size per worker (0 = no sample shuffling).
+        shuffle_buffer: raw-sample shuffle buffer per stream (0 = no sample shuffling).
         seed: seeds the shard order per epoch and the shuffle buffers.
-        num_workers: DataLoader worker processes decoding in parallel (0 = decode in this process).
+        num_workers: DataLoader worker processes reading and decoding in parallel (0 = in this
+            process). Also the number of interleaved streams (0 and 1 both mean one), so it is
+            part of the order: resume with the same value.
         epochs: passes over the shards; None = loop forever, reshuffling shard order each epoch.
+        resample: each epoch draws len(urls) shards WITH replacement (seeded by seed and epoch)
+            instead of a permutation: for mixing sources by shard count, or very large corpora.
         split_by_node: give this rank only shards rank, rank + world_size, ... of each epoch's order.
         rank, world_size: this process's place among the data-parallel consumers.
         shuffle_shards: reshuffle the shard order every epoch (the same order on every rank).
             Default: on when shuffle_buffer > 0 or epochs is None; a finite, unshuffled stream
             reads the shards in the given order.
+        decode: `DecodeOptions` (image pixel limit, video frame sampling, decoders, timeout).
+        quarantine_path: append every bad sample to this JSONL file ("{rank}" is filled in).
+        max_bad_ratio: raise `TooManyBadSamples` when bad / read exceeds this (None = never),
+            checked once min_samples_for_ratio samples have been read.
+        resume: a `state_dict()` to continue from (same urls, seed, shuffle and worker layout).
         mp_context: DataLoader multiprocessing context ("fork", "spawn", "forkserver"; None = default).
 
     Bad samples are dropped and counted in `bad_counts` (reason -> count); the last few are in
-    `bad_examples`. Deterministic for a seed when num_workers <= 1.
+    `bad_examples`. The order is a function of the arguments alone (any num_workers).
     """
 
     def __init__(self, urls: Any, *, shuffle_buffer: int = 0, seed: int = 0, num_workers: int = 0,
-                 epochs: int | None = None, split_by_node: bool = True, rank: int = 0,
-                 world_size: int = 1, shuffle_shards: bool | None = None, mp_context: str | None = None):
+                 epochs: int | None = None, resample: bool = False, split_by_node: bool = True,
+                 rank: int = 0, world_size: int = 1, shuffle_shards: bool | None = None,
+                 decode: DecodeOptions | None = None, quarantine_path: str | os.PathLike | None = None,
+                 max_bad_ratio: float | None = 0.05, min_samples_for_ratio: int = 1000,
+                 resume: dict[str, Any] | None = None, mp_context: str | None = None):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         if shuffle_buffer < 0 or num_workers < 0:
@@ -360,15 +240,17 @@ class ShardStream:
             raise ValueError(f"epochs must be >= 1 or None (forever), got {epochs}")
         self.urls = expand_urls(urls)
         self.shuffle_buffer, self.seed, self.num_workers = shuffle_buffer, seed, num_workers
-        self.epochs = epochs
+        self.epochs, self.resample = epochs, resample
         self.split_by_node = split_by_node and world_size > 1
         self.rank, self.world_size = rank, world_size
         self.shuffle_shards = (shuffle_buffer > 0 or epochs is None) if shuffle_shards is None else shuffle_shards
+        self.decode = decode or DecodeOptions()
         self.mp_context = mp_context
-        self.bad_counts: Counter[str] = Counter()
-        self.bad_examples: deque[_Bad] = deque(maxlen=20)
-        self.delivered = 0
-        self._cursor: Iterator[Sample] | None = None
+        self.quarantine = QuarantineLedger(quarantine_path, max_bad_ratio, min_samples_for_ratio, rank)
+        self.num_streams = max(1, num_workers)
+        self._start = _Cursor(epoch=0, consumed=[0] * self.num_streams)
+        self._live: _Cursor | None = None  # cursor of the most recently started iterator
+        self._taker: Iterator[Sample] | None = None
 
         n_mine = len(self.urls[rank::world_size]) if self.split_by_node else len(self.urls)
         if n_mine == 0:
@@ -379,79 +261,126 @@ class ShardStream:
             warnings.warn(f"{num_workers} data workers but only {n_mine} shard(s) for this rank: "
                           f"{num_workers - n_mine} worker(s) will idle. Write more, smaller shards.",
                           stacklevel=2)
+        if resume is not None:
+            self.load_state_dict(resume)
 
-    def _pipeline(self, epoch: int, sink: _ErrorSink) -> Any:
-        import webdataset as wds
+    # ---- bookkeeping views
+    @property
+    def bad_counts(self) -> Any:
+        """reason -> count of bad samples skipped so far (a Counter; carried across resume)."""
+        return self.quarantine.counts
 
+    @property
+    def bad_examples(self) -> deque[BadSample]:
+        return self.quarantine.examples
+
+    @property
+    def delivered(self) -> int:
+        """Good samples handed out so far (carried across resume)."""
+        return (self._live or self._start).delivered
+
+    # ---- order
+    def epoch_shards(self, epoch: int) -> list[str]:
+        """This rank's shards for `epoch`, in reading order (before the split into streams)."""
         urls = list(self.urls)
-        if self.shuffle_shards:
-            random.Random(_mix(self.seed, epoch, 0x5D)).shuffle(urls)
-        ds = wds.WebDataset(
-            urls,
-            shardshuffle=False,  # the order was drawn above, identically on every rank
-            nodesplitter=_NodeSplit(self.rank, self.world_size) if self.split_by_node else None,
-            workersplitter=wds.split_by_worker,
-            handler=sink,
-            empty_check=False,  # an idle worker is fine; an empty epoch is checked in __iter__
-            seed=self.seed,
-        ).compose(_Quarantine(sink))
-        if self.shuffle_buffer > 1:
-            ds = ds.compose(_Shuffle(self.shuffle_buffer, self.seed, epoch, self.rank))
-        return ds.map(_decode_or_bad)
+        rng = random.Random(_mix(self.seed, epoch, 0x5D))
+        if self.resample:
+            urls = rng.choices(urls, k=len(urls))
+        elif self.shuffle_shards:
+            rng.shuffle(urls)
+        return urls[self.rank::self.world_size] if self.split_by_node else urls
 
-    def _epoch(self, epoch: int) -> Iterator[Sample | _Bad]:
-        ds = self._pipeline(epoch, _ErrorSink())
+    def _epoch_items(self, cursor: _Cursor) -> Iterator[Sample | BadSample]:
+        plan = _EpochPlan(self.epoch_shards(cursor.epoch), self.num_streams, cursor.epoch, self.seed,
+                          self.rank, self.shuffle_buffer, list(cursor.consumed), self.decode)
         if self.num_workers == 0:
-            yield from ds
+            yield from _merge(iter(_EpochSource(plan)), cursor)
             return
         import torch.utils.data
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+        loader = torch.utils.data.DataLoader(_EpochSource(plan), batch_size=None, num_workers=self.num_workers,
                                              collate_fn=_identity, multiprocessing_context=self.mp_context)
         it = iter(loader)
         try:
-            yield from it
+            yield from _merge(it, cursor)
         finally:
             del it  # shuts the workers down now, also when the consumer stops early
 
-    def _count(self, bad: _Bad) -> None:
-        self.bad_counts[bad.reason] += 1
-        self.bad_examples.append(bad)
-        first = self.bad_counts[bad.reason] == 1
-        (logger.warning if first else logger.debug)(
-            "skipping bad sample (%s): key=%r url=%s %s%s", bad.reason, bad.key, bad.url, bad.detail,
-            " [first of this reason; later ones are logged at debug level; see stream.bad_counts]"
-            if first else "")
-
     def __iter__(self) -> Iterator[Sample]:
-        epoch = 0
-        while self.epochs is None or epoch < self.epochs:
-            good = 0
-            for item in self._epoch(epoch):
-                if isinstance(item, _Bad):
-                    self._count(item)
+        cursor = self._live = copy.deepcopy(self._start)
+        while self.epochs is None or cursor.epoch < self.epochs:
+            for item in self._epoch_items(cursor):
+                if isinstance(item, BadSample):
+                    self.quarantine.record_bad(item, cursor.epoch)
                     continue
-                good += 1
-                self.delivered += 1
+                self.quarantine.record_good()
+                cursor.good_in_epoch += 1
+                cursor.delivered += 1
                 yield item
-            if good == 0:
+            if cursor.good_in_epoch == 0:
                 raise RuntimeError(
-                    f"epoch {epoch} of {len(self.urls)} shard(s) gave no usable sample on rank {self.rank}; "
-                    f"bad samples so far: {dict(self.bad_counts) or 'none'}")
-            epoch += 1
+                    f"epoch {cursor.epoch} of {len(self.urls)} shard(s) gave no usable sample on rank "
+                    f"{self.rank}; bad samples so far: {dict(self.bad_counts) or 'none'}")
+            cursor.next_epoch()
 
+    # ---- resume
+    def _layout(self) -> dict[str, Any]:
+        """What the order depends on; a resume state only fits a stream with the same layout."""
+        digest = hashlib.sha1("\n".join(self.urls).encode()).hexdigest()[:16]
+        return {"urls_sha1": digest, "num_urls": len(self.urls), "seed": self.seed,
+                "shuffle_buffer": self.shuffle_buffer, "streams": self.num_streams,
+                "shuffle_shards": self.shuffle_shards, "resample": self.resample,
+                "split_by_node": self.split_by_node, "rank": self.rank, "world_size": self.world_size}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exact position after the last sample handed out (JSON-serialisable). A stream built
+        with `resume=` this state continues with the next sample the uninterrupted stream would
+        have given: no repeat, no skip. Take it between samples of one running iterator."""
+        cursor = self._live or self._start
+        return {"version": STATE_VERSION, "layout": self._layout(), "epoch": cursor.epoch,
+                "consumed": list(cursor.consumed), "turn": cursor.turn,
+                "good_in_epoch": cursor.good_in_epoch, "delivered": cursor.delivered,
+                "quarantine": self.quarantine.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` on the next iteration (and in `take`)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a ShardStream state (version {STATE_VERSION}): "
+                             f"{str(state)[:200]}")
+        mine, theirs = self._layout(), state.get("layout", {})
+        differ = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if differ:
+            shown = ", ".join(f"{k}: state {a!r} vs stream {b!r}" for k, (a, b) in differ.items())
+            raise ValueError(f"resume state does not fit this stream ({shown}). The sample order depends "
+                             f"on the shard list, seed, shuffle_buffer, num_workers (0 and 1 are the "
+                             f"same), resample, shuffle_shards and rank/world_size: resume with the same")
+        consumed = [int(c) for c in state["consumed"]]
+        self._start = _Cursor(int(state["epoch"]), consumed, int(state["turn"]) % len(consumed),
+                              int(state.get("good_in_epoch", 0)), int(state.get("delivered", 0)))
+        self._live = None
+        self.quarantine.load_state_dict(state.get("quarantine", {}))
+        self.close()
+
+    # ---- convenience
     def take(self, n: int) -> list[Sample]:
         """The next `n` samples from this stream's own running iterator (started on first use,
         kept between calls, so successive calls continue where the last one stopped; fewer than
-        `n` when a finite stream ends). `for s in stream` always starts a fresh pass instead."""
-        if self._cursor is None:
-            self._cursor = iter(self)
-        return list(itertools.islice(self._cursor, n))
+        `n` when a finite stream ends). `for s in stream` always starts a fresh pass instead
+        (from the beginning, or from the resume state)."""
+        if self._taker is None:
+            self._taker = iter(self)
+        out = []
+        for _ in range(n):
+            try:
+                out.append(next(self._taker))
+            except StopIteration:
+                break
+        return out
 
     def close(self) -> None:
         """Stop the running `take` iterator and its worker processes."""
-        if self._cursor is not None:
-            self._cursor.close()  # type: ignore[attr-defined]
-            self._cursor = None
+        if self._taker is not None:
+            self._taker.close()  # type: ignore[attr-defined]
+            self._taker = None
 
     def __enter__(self) -> "ShardStream":
         return self
@@ -460,10 +389,10 @@ class ShardStream:
         self.close()
 
 
-def load_all(urls: Any) -> list[Sample]:
+def load_all(urls: Any, decode: DecodeOptions | None = None) -> list[Sample]:
     """Every sample of a (small) split, in shard and tar order, decoded in this process."""
     stream = ShardStream(urls, epochs=1, shuffle_buffer=0, num_workers=0, split_by_node=False,
-                         shuffle_shards=False)
+                         shuffle_shards=False, decode=decode, max_bad_ratio=None)
     samples = list(stream)
     if stream.bad_counts:
         warnings.warn(f"load_all({urls!r}) skipped bad samples: {dict(stream.bad_counts)}", stacklevel=2)

@@ -1,21 +1,24 @@
 """Qwen2-VL / Qwen2.5-VL / Qwen3-VL adapter.
 
-One HF processor call per sample expands the vision pads and yields pixel_values/grid_thw;
-the vLLM prompt is the same token sequence with each expanded pad run collapsed back to one pad
-(vLLM expands it again from the raw image), so the two sides cannot disagree on the text.
+One HF processor call per sample expands the vision pads and yields the vision tensors for the
+trainer; the vLLM prompt is the same chat-template text tokenized before expansion (one pad per
+image or video), which vLLM expands itself from the raw media.
 M-RoPE positions come from the model family's own `get_rope_index`, run on the config alone.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoProcessor
 
-from mmrl.data.sample import Sample
+from mmrl.data.sample import Sample, Video
 from mmrl.processors.base import ProcessedPrompt, PromptRejected
 from mmrl.registry import register
 
+# Processor outputs the trainer forward needs besides the token ids.
+MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
@@ -32,6 +35,16 @@ def _inner_model_class(model_type: str) -> type:
     return cls
 
 
+def _hf_video_metadata(video: Video) -> Any:
+    from transformers.video_utils import VideoMetadata
+
+    meta = video.vllm_metadata()
+    height, width = video.frames.shape[1:3]
+    return VideoMetadata(total_num_frames=meta["total_num_frames"], fps=meta["fps"], width=width, height=height,
+                         duration=meta["duration"], video_backend=meta["video_backend"],
+                         frames_indices=meta["frames_indices"])
+
+
 class _RopeIndex:
     """Calls the family's `get_rope_index` without building the model: it needs only the config
     (merge size, tokens per second) and `get_vision_position_ids`, which reads no weights."""
@@ -39,6 +52,8 @@ class _RopeIndex:
     def __init__(self, config: Any):
         self.config = config
         self._cls = _inner_model_class(config.model_type)
+        # which vision tensors this family's get_rope_index takes (Qwen2.5-VL: second_per_grid_ts)
+        self.accepts = set(inspect.signature(self._cls.get_rope_index).parameters)
 
     def get_vision_position_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._cls.get_vision_position_ids(self, *args, **kwargs)
@@ -49,7 +64,7 @@ class _RopeIndex:
 
 @register("processor", "qwen_vl")
 class QwenVLProcessor:
-    """Adapter for the Qwen-VL families (image prompts; video and multi-image come with #3)."""
+    """Adapter for the Qwen-VL families: image, multi-image, video and mixed prompts."""
 
     def __init__(self, model_path: str, *, min_pixels: int | None = None, max_pixels: int | None = None,
                  max_prompt_tokens: int = 1024, trust_remote_code: bool = False):
@@ -77,36 +92,38 @@ class QwenVLProcessor:
 
     def __call__(self, sample: Sample) -> ProcessedPrompt:
         text = self.hf.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=False)
-        images = sample.images or None
-        enc = self.hf(text=[text], images=images, return_tensors="pt", **self._image_kwargs)
+        kwargs: dict[str, Any] = dict(self._image_kwargs)
+        if sample.videos:
+            # Frames arrive already sampled; the metadata carries their rate so the processor
+            # derives the same temporal positions (and Qwen3-VL timestamps) as vLLM does.
+            kwargs.update(videos=[v.frames for v in sample.videos], do_sample_frames=False,
+                          video_metadata=[_hf_video_metadata(v) for v in sample.videos])
+        enc = self.hf(text=[text], images=sample.images or None, return_tensors="pt", **kwargs)
         ids = enc["input_ids"][0]
         if ids.numel() > self.max_prompt_tokens:
             # Cutting the prompt could cut a vision block and desynchronise image features and
             # tokens; reject the sample instead of truncating.
             raise PromptRejected(f"prompt has {ids.numel()} tokens > processor.max_prompt_tokens="
                                  f"{self.max_prompt_tokens}; raise the limit or lower the image pixel budget")
-        mm_inputs = {k: enc[k] for k in ("pixel_values", "image_grid_thw") if k in enc}
-        positions, _ = self._rope_index(
-            input_ids=enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"],
-            image_grid_thw=enc.get("image_grid_thw"), video_grid_thw=None, attention_mask=None)
+        mm_inputs = {k: torch.as_tensor(enc[k]) for k in MM_KEYS if k in enc}
+        positions, _ = self._rope_index(input_ids=enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"],
+                                        attention_mask=None, **{k: v for k, v in mm_inputs.items()
+                                                                if k in self._rope_index.accepts})
         positions_3P = positions[:, 0]
-        prompt_ids = ids.tolist()
-        vllm_ids = self._collapse_pads(prompt_ids)
+        # vLLM gets the un-expanded template text: one pad per image/video, which it expands
+        # itself from the raw media (for Qwen3-VL video that includes the frame timestamps).
+        vllm_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         vllm_input: dict[str, Any] = {"prompt_token_ids": vllm_ids}
+        media: dict[str, Any] = {}
         if sample.images:
-            vllm_input["multi_modal_data"] = {"image": list(sample.images)}
-        return ProcessedPrompt(key=sample.key, vllm_input=vllm_input, prompt_ids=prompt_ids,
+            media["image"] = list(sample.images)
+        if sample.videos:
+            media["video"] = [(v.frames, v.vllm_metadata()) for v in sample.videos]
+        if media:
+            vllm_input["multi_modal_data"] = media
+        return ProcessedPrompt(key=sample.key, vllm_input=vllm_input, prompt_ids=ids.tolist(),
                                position_ids_3P=positions_3P, next_position=int(positions_3P.max()) + 1,
                                mm_inputs=mm_inputs)
-
-    def _collapse_pads(self, ids: list[int]) -> list[int]:
-        """Expanded ids -> one pad per image/video (what vLLM expects as prompt_token_ids)."""
-        out: list[int] = []
-        for t in ids:
-            if t in (self.image_token_id, self.video_token_id) and out and out[-1] == t:
-                continue
-            out.append(t)
-        return out
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -103,9 +103,26 @@ class TrainerWorker:
     def _forward(self, seqs: Sequence[TrainSequence]) -> tuple[Any, torch.Tensor, torch.Tensor]:
         mb = collate(seqs, self.spec.pad_token_id)
         out = self.engine(**mb.model_inputs())
-        logprobs_BT, entropy_BT = sampling_logprobs(out.logits, mb.response_ids_BT, self.spec.temperature,
+        logits = out.logits
+        if "pixel_values" not in mb.mm_inputs and "pixel_values_videos" not in mb.mm_inputs:
+            # A text-only micro-batch skips the vision tower; under ZeRO-3 its parameters would
+            # then be gathered on the other ranks but not here, and the collectives hang. Run
+            # the tower on a dummy patch grid with zero weight so every rank does the same.
+            logits = logits + 0.0 * self._dummy_vision_output()
+        logprobs_BT, entropy_BT = sampling_logprobs(logits, mb.response_ids_BT, self.spec.temperature,
                                                     self.spec.forbidden_token_ids)
         return mb, logprobs_BT, entropy_BT
+
+    def _dummy_vision_output(self) -> torch.Tensor:
+        model = self.engine.module
+        vision = model.config.vision_config
+        merge = vision.spatial_merge_size
+        grid_thw = torch.tensor([[1, merge, merge]])  # the smallest grid: one merged token
+        n_patches = int(grid_thw.prod())
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        pixels = torch.zeros(n_patches, patch_dim, dtype=next(model.parameters()).dtype)
+        out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid_thw)
+        return sum(t.float().sum() for t in _tensors(out))
 
     @torch.no_grad()
     def compute_logprobs(self, seqs: list[TrainSequence], num_micro_batches: int) -> list[list[float]]:
@@ -202,6 +219,17 @@ class TrainerWorker:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every floating tensor in a (nested) model output: the vision outputs differ by family."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
 
 
 def make_trainer_actors(spec: TrainerSpec, options: dict[str, Any]) -> list[Any]:

@@ -1,5 +1,10 @@
 """Dataset recipes: `mmrl data build NAME --out DIR` writes webdataset shards.
 
-Each recipe registers itself with @register("dataset", NAME).
+Each recipe registers itself with @register("dataset", NAME); shared drawing, encoding and
+shard-writing helpers are in `_common`.
 """
 from mmrl.data.recipes import colors  # noqa: F401  (registers "colors")
+from mmrl.data.recipes import counting  # noqa: F401  (registers "counting")
+from mmrl.data.recipes import grounding  # noqa: F401  (registers "grounding")
+from mmrl.data.recipes import multi_image  # noqa: F401  (registers "multi_image")
+from mmrl.data.recipes import video_motion  # noqa: F401  (registers "video_motion")
