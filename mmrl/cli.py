@@ -100,7 +100,7 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
                    require_answer=not args.allow_no_answer)
     print(format_report(info))
     print(f"manifest: {os.path.join(args.out, 'dataset.json')}")
-    return 0 if sum(info["counts"].values()) else 1
+    return 0 if sum(info["converted"].values()) else 1
 
 
 @_user_value_errors

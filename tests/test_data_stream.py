@@ -173,7 +173,7 @@ def mixed(tmp_path):
     return [a, b], {k for k, _ in good}
 
 
-EXPECTED_BAD = {"undecodable image": 2, "invalid json": 1, "missing json": 1, "no prompt": 1}
+EXPECTED_BAD = {"corrupt_image": 2, "bad_json": 1, "missing_json": 1, "missing_field": 1}
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -198,8 +198,8 @@ def test_truncated_shard_is_not_fatal(ds, tmp_path):
     keys = [s.key for s in stream]
     assert keys[-SHARD:] == [f"train-{i:06d}" for i in range(SHARD, 2 * SHARD)]
     assert 0 < len(keys) - SHARD < SHARD  # the complete samples before the cut
-    assert stream.bad_counts["shard read error"] == 2  # the cut shard, the failing pipe
-    assert stream.bad_counts["truncated sample"] == 1  # the one being read at the cut
+    assert stream.bad_counts["shard_read_error"] == 2  # the cut shard, the failing pipe
+    assert stream.bad_counts["truncated_sample"] == 1  # the one being read at the cut
 
 
 def test_all_bad_epoch_raises_instead_of_spinning(tmp_path):
@@ -236,15 +236,39 @@ def test_decode_multi_image_messages_and_exif():
 
 
 @pytest.mark.parametrize("raw, reason", [
-    ({"json": js(messages=[{"role": "user", "content": [{"type": "image"}]}])}, "image count mismatch"),
-    ({"json": b"[1, 2]", "png": png()}, "invalid json"),
-    ({"json": b"\xff\xfe", "png": png()}, "invalid json"),
-    ({"json": js(prompt="  "), "png": png()}, "no prompt"),
-    ({"json": js(prompt="p", metadata=[1]), "png": png()}, "invalid json"),
-    ({"json": js(prompt="p"), "mp4": b"\x00"}, "unsupported video"),
+    ({"json": js(messages=[{"role": "user", "content": [{"type": "image"}]}])}, "media_count_mismatch"),
+    ({"json": b"[1, 2]", "png": png()}, "bad_json"),
+    ({"json": b"\xff\xfe", "png": png()}, "bad_json"),
+    ({"json": js(prompt="  "), "png": png()}, "missing_field"),
+    ({"json": js(prompt="p", metadata=[1]), "png": png()}, "bad_field"),
+    ({"json": js(prompt="p"), "mp4": b"\x00"}, "corrupt_video"),
 ])
 def test_decode_rejects_with_reason(raw, reason):
     with pytest.raises(BadSampleError) as e:
         decode_sample({"__key__": "bad1", "__url__": "s.tar", **raw})
     assert e.value.reason == reason and isinstance(e.value, ValueError)
     assert "bad1" in str(e.value) and reason in str(e.value)
+
+
+def test_decode_image_modes_and_pixel_limit():
+    import numpy as np
+
+    from mmrl.data.decode import decode_image
+    def encoded(im: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        im.save(buf, "PNG")
+        return buf.getvalue()
+
+    transparent_red = Image.new("RGBA", (4, 4), (255, 0, 0, 0))  # shows as white, not red or black
+    assert decode_image(encoded(transparent_red)).getpixel((0, 0)) == (255, 255, 255)
+    deep = Image.fromarray(np.full((4, 4), 0x8000, np.uint16))  # 16-bit gray: scaled, not clipped
+    assert decode_image(encoded(deep)).getpixel((0, 0)) == (128, 128, 128)
+    assert decode_image(png(size=(100, 100)), pixel_limit=10_000).size == (100, 100)
+    with pytest.raises(BadSampleError) as e:
+        decode_image(png(size=(101, 100)), pixel_limit=10_000)
+    assert e.value.reason == "too_many_pixels" and "10100" in e.value.detail
+    # the pixel limit travels with DecodeOptions into decode_sample
+    from mmrl.data.decode import DecodeOptions
+    with pytest.raises(BadSampleError, match="too_many_pixels"):
+        decode_sample({"__key__": "b", "json": js(prompt="p"), "png": png(size=(50, 50))},
+                      DecodeOptions(pixel_limit=2_000))

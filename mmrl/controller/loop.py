@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from mmrl.rollout.engine import RolloutEngine, engine_kwargs
 from mmrl.rollout.types import SamplingConfig, Trajectory
 from mmrl.trainer.batch import TrainSequence, split_even
 from mmrl.trainer.worker import StepInputs, TrainerSpec, make_trainer_actors
-from mmrl.utils.env import apply_env, cleanup_shm, engine_env, resolve_device
+from mmrl.utils.env import apply_env, cleanup_shm, engine_env, resolve_device, rpc_dir
 from mmrl.utils.timing import StepSpans
 
 
@@ -62,6 +63,7 @@ class Runtime:
             ray.kill(actor)
         if self.device == "cpu":
             cleanup_shm()
+        shutil.rmtree(rpc_dir(self.run_dir), ignore_errors=True)
 
 
 def start_runtime(cfg: Config) -> Runtime:

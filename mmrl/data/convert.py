@@ -41,6 +41,7 @@ import re
 from collections import Counter
 from typing import Any, Iterable, Iterator
 
+from mmrl.data.decode import VIDEO_EXTS
 from mmrl.data.recipes._common import ShardSink, brace, clean_out_dir, record_bytes, write_manifest
 from mmrl.data.sample import messages_from_prompt
 
@@ -50,7 +51,6 @@ ANSWER_KEYS = ("answer", "solution", "ground_truth")
 IMAGE_KEYS = ("images", "image")
 VIDEO_KEYS = ("videos", "video")
 KEEP_IMAGE_FORMATS = {"PNG": "png", "JPEG": "jpg", "MPO": "jpg", "WEBP": "webp"}
-VIDEO_EXTS = ("mp4", "webm", "avi", "mkv", "mov")
 _PLACEHOLDER = re.compile(r"(<image>|<video>)")
 MAX_EXAMPLES = 5
 
@@ -214,11 +214,12 @@ def _load_bytes(value: Any, media_root: str | None, what: str) -> tuple[bytes, s
     if re.match(r"^[a-z][a-z0-9+.-]*://", value) and not value.startswith("file://"):
         raise RowError(f"remote {what}", f"{value}: download it first and give a local path")
     path = value[len("file://"):] if value.startswith("file://") else value
-    candidates = [path] if os.path.isabs(path) else []
-    if media_root:
-        candidates += [os.path.join(media_root, path.lstrip("/")), os.path.join(media_root, os.path.basename(path))]
-    if not os.path.isabs(path):
-        candidates.append(path)
+    if os.path.isabs(path):
+        # an absolute path from the machine that made the dataset (HF Image structs keep one):
+        # as given, else the file of that name in the media root
+        candidates = [path] + ([os.path.join(media_root, os.path.basename(path))] if media_root else [])
+    else:
+        candidates = [os.path.join(media_root, path)] if media_root else [path]
     for p in candidates:
         if os.path.isfile(p):
             with open(p, "rb") as f:
@@ -553,11 +554,12 @@ def convert(src: str, out_dir: str, *, source_format: str, media_root: str | Non
         if k:
             n_shards[out_split] = k
             shards[out_split] = brace(out_split, k)
+    converted = dict(counts)
     # A conversion into a folder that holds other splits from an earlier conversion keeps them.
     if previous:
         for mine, key in ((counts, "counts"), (n_shards, "num_shards"), (shards, "shards")):
             for s, v in (previous.get(key) or {}).items():
-                if s not in counts:
+                if s not in converted:
                     mine[s] = v
     info = {
         "recipe": f"convert:{source_format}",
@@ -567,6 +569,7 @@ def convert(src: str, out_dir: str, *, source_format: str, media_root: str | Non
         "counts": counts,
         "num_shards": n_shards,
         "shards": shards,
+        "converted": converted,  # this conversion's splits (counts also lists earlier ones)
         "rows": report.rows,
         "bad": report.as_dict(),
     }
@@ -588,9 +591,9 @@ def _previous_manifest(out_dir: str) -> dict[str, Any] | None:
 
 def format_report(info: dict[str, Any]) -> str:
     """A few human-readable lines about a conversion."""
-    lines = [f"converted {sum(info['counts'].values())} of {info['rows']} row(s) from "
+    lines = [f"converted {sum(info['converted'].values())} of {info['rows']} row(s) from "
              f"{info['args']['src']} ({info['args']['source_format']})"]
-    for split, n in info["counts"].items():
+    for split, n in info["converted"].items():
         lines.append(f"  {split}: {n} sample(s) in {info['num_shards'].get(split, 0)} shard(s)"
                      + (f": {info['shards'][split]}" if split in info["shards"] else ""))
     bad = info["bad"]

@@ -38,8 +38,9 @@ class DecodeOptions:
             bomb guard: a 100 kB PNG can claim 50k x 50k pixels). PIL's own hard cap of
             2 x Image.MAX_IMAGE_PIXELS (~179 MP) applies on top.
         fps: sample this many frames per second of video (ignored when num_frames is set).
-        num_frames: sample exactly this many frames per video instead (still clamped below).
-        min_frames, max_frames: clamp the frame count (max_frames is rounded down to even).
+        num_frames: sample exactly this many frames per video instead (max_frames still caps).
+        min_frames: at least this many frames with fps sampling (a short clip repeats its last).
+        max_frames: at most this many frames (rounded down to even).
         max_pixels: downscale video frames to at most this many pixels while decoding (aspect
             kept; None = native size). Keeps 32 frames of 1080p from crossing the worker queue
             at 200 MB a sample; the processor resizes again to its own budget.

@@ -19,8 +19,9 @@ import sys
 from collections import Counter, defaultdict
 from typing import Any, Callable, Sequence
 
+from mmrl.data.decode import DecodeOptions, decode_sample
 from mmrl.data.quarantine import BadSample, BadSampleError
-from mmrl.data.stream import DecodeOptions, decode_sample, expand_urls, read_shard
+from mmrl.data.shards import expand_urls, read_shard
 
 MAX_KEYS_PER_REASON = 5
 
@@ -205,7 +206,7 @@ def report_sections(stats: dict[str, Any]) -> list[tuple[str, list[tuple[str, st
                   ("video duration", _spread_text(me["video_duration"], " s")),
                   ("video fps", _spread_text(me["video_fps"])),
                   ("frames the stream samples", _spread_text(me["video_sampled_frames"])),
-                  ("video size (WxH)", _wh_text(me["video_size"]))]
+                  ("video size (WxH, decoded)", _wh_text(me["video_size"]))]
     answers = [(a if len(a) <= 60 else a[:57] + "...", str(n)) for a, n in an["top"]]
     answers.append(("(distinct answers)", str(an["distinct"])))
     prompt = [(f"prompt length ({pl['unit']})", _spread_text(pl if "min" in pl else None)

@@ -104,8 +104,7 @@ class QuarantineLedger:
         return sum(self.counts.values())
 
     def record_good(self) -> None:
-        self.seen += 1
-        self._check_ratio()
+        self.seen += 1  # the ratio is checked at bad samples only: a good one is always delivered
 
     def record_bad(self, bad: BadSample, epoch: int | None = None) -> None:
         self.seen += 1

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import logging
 import os
 import random
 import warnings
@@ -43,7 +42,6 @@ __all__ = ["ShardStream", "load_all", "expand_urls", "read_shard", "decode_sampl
            "BadSample", "BadSampleError", "TooManyBadSamples", "ShardNotFoundError", "IMAGE_EXTS",
            "VIDEO_EXTS"]
 
-logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -126,25 +124,40 @@ def _from_shared(item: Any) -> Any:
     return item
 
 
-try:
-    from torch.utils.data import IterableDataset as _IterableDataset
-except ImportError:  # pragma: no cover - torch is a hard dependency of mmrl
-    _IterableDataset = object  # type: ignore[assignment,misc]
+def _iterate_epoch_source(plan: _EpochPlan) -> Iterator[tuple[int, Any]]:
+    """What DataLoader worker w yields: stream w's items tagged with w, then its end marker."""
+    import torch.utils.data
+    info = torch.utils.data.get_worker_info()
+    stream_id = 0 if info is None else info.id
+    for item in _stream_items(plan, stream_id):
+        yield stream_id, item if info is None else _to_shared(item)  # shared memory only across processes
+    yield stream_id, _StreamEnd()
 
 
-class _EpochSource(_IterableDataset):  # type: ignore[misc,valid-type]
-    """DataLoader worker w runs stream w and tags each item with w."""
+def __getattr__(name: str) -> Any:
+    """`_EpochSource` (a torch IterableDataset) is made on first use, so importing this module
+    (config validation, `mmrl data inspect`) does not import torch. Being reachable by module
+    attribute keeps it picklable for spawn-started DataLoader workers."""
+    if name != "_EpochSource":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _epoch_source_class()
 
-    def __init__(self, plan: _EpochPlan):
-        self.plan = plan
 
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
-        import torch.utils.data
-        info = torch.utils.data.get_worker_info()
-        stream_id = 0 if info is None else info.id
-        for item in _stream_items(self.plan, stream_id):
-            yield stream_id, _to_shared(item)
-        yield stream_id, _StreamEnd()
+def _epoch_source_class() -> type:
+    if "_EpochSource" in globals():
+        return globals()["_EpochSource"]
+    from torch.utils.data import IterableDataset
+
+    class _EpochSource(IterableDataset):  # type: ignore[type-arg]
+        def __init__(self, plan: _EpochPlan):
+            self.plan = plan
+
+        def __iter__(self) -> Iterator[tuple[int, Any]]:
+            return _iterate_epoch_source(self.plan)
+
+    _EpochSource.__module__, _EpochSource.__qualname__ = __name__, "_EpochSource"
+    globals()["_EpochSource"] = _EpochSource
+    return _EpochSource
 
 
 def _identity(x: Any) -> Any:
@@ -294,10 +307,11 @@ class ShardStream:
         plan = _EpochPlan(self.epoch_shards(cursor.epoch), self.num_streams, cursor.epoch, self.seed,
                           self.rank, self.shuffle_buffer, list(cursor.consumed), self.decode)
         if self.num_workers == 0:
-            yield from _merge(iter(_EpochSource(plan)), cursor)
+            yield from _merge(_iterate_epoch_source(plan), cursor)
             return
         import torch.utils.data
-        loader = torch.utils.data.DataLoader(_EpochSource(plan), batch_size=None, num_workers=self.num_workers,
+        source = _epoch_source_class()(plan)
+        loader = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.num_workers,
                                              collate_fn=_identity, multiprocessing_context=self.mp_context)
         it = iter(loader)
         try:

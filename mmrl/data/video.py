@@ -6,13 +6,17 @@
 Decoders are tried in `DecodeOptions.decoders` order (default decord, then torchcodec when it
 imports, then PyAV). decord is the fastest here but can hang or fail on some files, so every
 decode runs in a helper thread that the caller waits on for at most `timeout_s`: a decode that
-overruns is abandoned, that decoder is switched off for the rest of this process (a hung native
-call may hold locks the next call would wait on), and the next decoder is tried. A thread cannot
-kill a hung native call, only walk away from it; the abandoned thread dies with the worker process
-(the stream restarts its workers every epoch). The thread costs ~0.1 ms per video.
+overruns is abandoned, the next decoder is tried, and the overrunning decoder is skipped in this
+process for as long as its abandoned call is still running (a hung native call may hold locks the
+next call would wait on; a merely slow one comes back into use). A thread cannot kill a hung
+native call, only walk away from it; the abandoned thread dies with the worker process (the
+stream restarts its workers every epoch). The thread costs ~0.1 ms per video. (A subprocess per
+decode could kill a hang and survive a decoder segfault, at the price of copying every frame
+between processes.)
 
 Frame sampling (`sample_frame_indices`): evenly spaced over the whole video, at `fps` frames per
-second of video (or exactly `num_frames`), clamped to [min_frames, max_frames], and always an EVEN
+second of video clamped to [min_frames, max_frames] (or exactly `num_frames`, capped by
+max_frames), never more frames than the source has unless min_frames asks, and always an EVEN
 count because Qwen-VL merges frames in temporal pairs (temporal_patch_size 2). An odd count is
 rounded UP (one more real frame; max_frames is rounded down to even so this never exceeds it).
 When the video has fewer frames than that count, the last frame is repeated -- exactly what the
@@ -50,7 +54,9 @@ class VideoTooLarge(ValueError):
 
 
 class _Timeout(Exception):
-    pass
+    def __init__(self, thread: threading.Thread):
+        super().__init__()
+        self.thread = thread  # still running the abandoned call
 
 
 # ----------------------------------------------------------------------------------------- sampling
@@ -69,14 +75,15 @@ def sample_frame_indices(total_frames: int, source_fps: float, options: "DecodeO
         raise VideoDecodeError("the video has no frames")
     duration = total_frames / source_fps if source_fps > 0 else 0.0
     if options.num_frames is not None:
-        wanted = options.num_frames
+        wanted = options.num_frames  # exactly what was asked (min_frames is for fps sampling)
     else:
         if duration <= 0:
             raise VideoDecodeError("the video has no usable frame rate, so fps-based sampling is "
                                    "impossible; set DecodeOptions.num_frames")
         wanted = min(round(duration * options.fps), total_frames)  # fps never samples a frame twice
+        wanted = max(wanted, options.min_frames)
     cap = _floor_even(options.max_frames)
-    n = min(max(wanted, options.min_frames, 1), cap)
+    n = min(max(wanted, 1), cap)
     n += n % 2  # even T, rounded up (cap is even, so n <= cap still)
     distinct = min(n, total_frames)
     indices = np.linspace(0, total_frames - 1, distinct).round().astype(int).tolist()
@@ -95,15 +102,15 @@ def _target_size(width: int, height: int, max_pixels: int | None) -> tuple[int, 
 
 # ----------------------------------------------------------------------------------------- backends
 
-def _probe(data: bytes) -> tuple[int, int, float, int]:
-    """(width, height, fps, frame count from the container; 0 = unknown), headers only."""
+def _probe(data: bytes) -> tuple[int, int]:
+    """(width, height) of the first video stream from the container headers (no decoding): for
+    the pixel limit and the downscale size before any decoder allocates a frame."""
     import av
     with av.open(io.BytesIO(data)) as container:
         if not container.streams.video:
             raise VideoDecodeError("no video stream")
-        stream = container.streams.video[0]
-        rate = stream.average_rate or stream.guessed_rate or 0
-        return stream.codec_context.width, stream.codec_context.height, float(rate), int(stream.frames or 0)
+        context = container.streams.video[0].codec_context
+        return int(context.width), int(context.height)
 
 
 def _decode_decord(data: bytes, options: "DecodeOptions", resize: tuple[int, int] | None) -> Video:
@@ -168,8 +175,10 @@ Backend = Callable[[bytes, "DecodeOptions", "tuple[int, int] | None"], Video]
 VIDEO_BACKENDS: dict[str, Backend] = {"decord": _decode_decord, "torchcodec": _decode_torchcodec,
                                       "pyav": _decode_pyav}
 _MODULE_OF = {"decord": "decord", "torchcodec": "torchcodec", "pyav": "av"}
-#: decoders switched off in this process after a timeout (their hung call may still hold locks)
-_hung: set[str] = set()
+#: decoder -> its abandoned call that overran timeout_s. While that thread still runs, the decoder
+#: is skipped in this process (a hung native call may hold locks the next call would wait on);
+#: once it has finished -- it was slow, not stuck -- the decoder is used again.
+_hung: dict[str, threading.Thread] = {}
 _importable: dict[str, bool] = {}
 
 
@@ -205,7 +214,7 @@ def _run_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise _Timeout()
+        raise _Timeout(thread)
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -215,7 +224,7 @@ def decode_video(data: bytes, options: "DecodeOptions") -> Video:
     """Decode and sample one video. Raises `VideoDecodeError` (every decoder failed or timed out)
     or `VideoTooLarge` (source frames above options.pixel_limit)."""
     try:
-        width, height, _, _ = _run_with_timeout(lambda: _probe(data), options.timeout_s)
+        width, height = _run_with_timeout(lambda: _probe(data), options.timeout_s)
     except _Timeout:
         raise VideoDecodeError(f"reading the container header took over {options.timeout_s}s",
                                timed_out=True) from None
@@ -231,16 +240,19 @@ def decode_video(data: bytes, options: "DecodeOptions") -> Video:
     errors: list[str] = []
     timeouts = 0
     for name in options.decoders:
+        if name in _hung and not _hung[name].is_alive():
+            del _hung[name]
         if name in _hung or not available(name):
             continue
         try:
             backend = VIDEO_BACKENDS[name]
             video = _run_with_timeout(lambda: backend(data, options, resize), options.timeout_s)
-        except _Timeout:
-            _hung.add(name)
+        except _Timeout as e:
+            _hung[name] = e.thread
             timeouts += 1
-            logger.warning("video decoder %s took over %.1fs; it is switched off in this process "
-                           "(pid-local), falling back to the next decoder", name, options.timeout_s)
+            logger.warning("video decoder %s took over %.1fs; falling back to the next decoder, and "
+                           "skipping %s in this process until the abandoned call returns",
+                           name, options.timeout_s, name)
             errors.append(f"{name}: timeout after {options.timeout_s}s")
             continue
         except Exception as e:  # each library raises its own types (DECORDError, av.error.*, ...)
@@ -253,5 +265,6 @@ def decode_video(data: bytes, options: "DecodeOptions") -> Video:
         return video
     if not errors:
         raise VideoDecodeError(f"no usable decoder among {list(options.decoders)} "
-                               f"(switched off after a timeout: {sorted(_hung) or 'none'})")
+                               f"(still stuck after a timeout: {sorted(_hung) or 'none'})",
+                               timed_out=bool(_hung))
     raise VideoDecodeError("; ".join(errors), timed_out=timeouts == len(errors))

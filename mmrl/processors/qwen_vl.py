@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoProcessor
 
@@ -46,11 +47,19 @@ def _hf_video_metadata(video: Video) -> Any:
 
 
 class _RopeIndex:
-    """Calls the family's `get_rope_index` without building the model: it needs only the config
-    (merge size, tokens per second) and `get_vision_position_ids`, which reads no weights."""
+    """M-RoPE positions of a prompt, exactly as the vLLM engine computes them.
+
+    Qwen3-VL: the family's own `get_rope_index` from transformers, run on the config alone (it
+    reads no weights); it agrees with vLLM. Qwen2-VL / Qwen2.5-VL: our own implementation of the
+    original rule, because transformers 5.19 places the text after a VIDEO block at
+    start + max(h, w) / merge, ignoring the temporal extent, while vLLM (and the original Qwen
+    code) continue at max(block positions) + 1. For images the two rules coincide; for videos
+    the transformers rule makes trainer logprobs silently differ from the sampler's.
+    """
 
     def __init__(self, config: Any):
         self.config = config
+        self.model_type = config.model_type
         self._cls = _inner_model_class(config.model_type)
         # which vision tensors this family's get_rope_index takes (Qwen2.5-VL: second_per_grid_ts)
         self.accepts = set(inspect.signature(self._cls.get_rope_index).parameters)
@@ -58,8 +67,38 @@ class _RopeIndex:
     def get_vision_position_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._cls.get_vision_position_ids(self, *args, **kwargs)
 
-    def __call__(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._cls.get_rope_index(self, **kwargs)
+    def __call__(self, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, **mm: Any) -> torch.Tensor:
+        """(3, P) positions for one prompt (batch of 1)."""
+        if self.model_type == "qwen3_vl":
+            kwargs = {k: v for k, v in mm.items() if k in self.accepts}
+            return self._cls.get_rope_index(self, input_ids=input_ids, mm_token_type_ids=mm_token_type_ids,
+                                            attention_mask=None, **kwargs)[0][:, 0]
+        return self._qwen2_positions(mm_token_type_ids[0].tolist(), mm)
+
+    def _qwen2_positions(self, types: list[int], mm: dict[str, Any]) -> torch.Tensor:
+        merge = self.config.vision_config.spatial_merge_size
+        tokens_per_second = getattr(self.config.vision_config, "tokens_per_second", 1.0)
+        grids = {1: iter(mm.get("image_grid_thw", [])), 2: iter(mm.get("video_grid_thw", []))}
+        seconds = iter(mm.get("second_per_grid_ts", []))
+        blocks: list[np.ndarray] = []
+        next_pos, i = 0, 0
+        while i < len(types):
+            if types[i] == 0:  # a run of text tokens
+                j = i
+                while j < len(types) and types[j] == 0:
+                    j += 1
+                blocks.append(np.broadcast_to(np.arange(j - i), (3, j - i)) + next_pos)
+                next_pos += j - i
+                i = j
+                continue
+            t, h, w = (int(x) for x in next(grids[types[i]]))
+            grid = np.indices((t, h // merge, w // merge)).reshape(3, -1)
+            if types[i] == 2 and "second_per_grid_ts" in mm:
+                grid[0] = (grid[0] * float(next(seconds)) * tokens_per_second).astype(np.int64)
+            blocks.append(grid + next_pos)
+            next_pos = int(blocks[-1].max()) + 1
+            i += grid.shape[1]
+        return torch.from_numpy(np.concatenate(blocks, axis=1).astype(np.int64))
 
 
 @register("processor", "qwen_vl")
@@ -106,10 +145,7 @@ class QwenVLProcessor:
             raise PromptRejected(f"prompt has {ids.numel()} tokens > processor.max_prompt_tokens="
                                  f"{self.max_prompt_tokens}; raise the limit or lower the image pixel budget")
         mm_inputs = {k: torch.as_tensor(enc[k]) for k in MM_KEYS if k in enc}
-        positions, _ = self._rope_index(input_ids=enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"],
-                                        attention_mask=None, **{k: v for k, v in mm_inputs.items()
-                                                                if k in self._rope_index.accepts})
-        positions_3P = positions[:, 0]
+        positions_3P = self._rope_index(enc["input_ids"], enc["mm_token_type_ids"], **mm_inputs)
         # vLLM gets the un-expanded template text: one pad per image/video, which it expands
         # itself from the raw media (for Qwen3-VL video that includes the frame timestamps).
         vllm_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

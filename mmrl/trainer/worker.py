@@ -102,14 +102,21 @@ class TrainerWorker:
     # ---- forward helpers -------------------------------------------------------------------------
     def _forward(self, seqs: Sequence[TrainSequence]) -> tuple[Any, torch.Tensor, torch.Tensor]:
         mb = collate(seqs, self.spec.pad_token_id)
-        out = self.engine(**mb.model_inputs())
-        logits = out.logits
+        hook = None
         if "pixel_values" not in mb.mm_inputs and "pixel_values_videos" not in mb.mm_inputs:
             # A text-only micro-batch skips the vision tower; under ZeRO-3 its parameters would
-            # then be gathered on the other ranks but not here, and the collectives hang. Run
-            # the tower on a dummy patch grid with zero weight so every rank does the same.
-            logits = logits + 0.0 * self._dummy_vision_output()
-        logprobs_BT, entropy_BT = sampling_logprobs(logits, mb.response_ids_BT, self.spec.temperature,
+            # then be all-gathered on the other ranks but not here, and the collectives hang or
+            # mismatch. Run the tower on a dummy patch grid, with zero weight, at the point where
+            # the image path runs it (right after the token embedding), so every rank performs
+            # the same gathers in the same order.
+            embed = self.engine.module.get_input_embeddings()
+            hook = embed.register_forward_hook(lambda _m, _i, out: out + 0.0 * self._dummy_vision_output())
+        try:
+            out = self.engine(**mb.model_inputs())
+        finally:
+            if hook is not None:
+                hook.remove()
+        logprobs_BT, entropy_BT = sampling_logprobs(out.logits, mb.response_ids_BT, self.spec.temperature,
                                                     self.spec.forbidden_token_ids)
         return mb, logprobs_BT, entropy_BT
 

@@ -1,8 +1,10 @@
 """Process environment for the engines: the same code selects CPU or CUDA settings."""
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -29,7 +31,7 @@ def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | 
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_CACHE_ROOT": str(run / ".cache" / "vllm"),
-        "VLLM_RPC_BASE_PATH": str(run / ".cache" / "vllm_rpc"),
+        "VLLM_RPC_BASE_PATH": rpc_dir(run),
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                str(Path.home() / ".cache" / "mmrl" / "torch_extensions")),
     }
@@ -39,6 +41,13 @@ def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | 
     for key in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH"):
         Path(env[key]).mkdir(parents=True, exist_ok=True)
     return env
+
+
+def rpc_dir(run_dir: str | os.PathLike) -> str:
+    """A short per-run directory for vLLM's ZMQ IPC sockets. Socket paths are limited to 107
+    bytes, which a socket name under a deep run directory easily exceeds."""
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+    return os.path.join(tempfile.gettempdir(), f"mmrl-rpc-{digest}")
 
 
 def apply_env(env: dict[str, str]) -> None:

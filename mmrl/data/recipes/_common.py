@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import tarfile
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
@@ -160,14 +161,23 @@ def record_bytes(record: dict[str, Any]) -> bytes:
 # -------------------------------------------------------------------------------- shard writing
 
 def member_size(sample: dict[str, Any]) -> int:
-    """Bytes a sample takes in a tar: a 512-byte header per member plus its padded data."""
-    return sum(512 + math.ceil(len(v) / 512) * 512 for k, v in sample.items() if not k.startswith("_"))
+    """Bytes a sample takes in a webdataset tar: per member 1536 bytes of headers (webdataset's
+    TarWriter writes PAX tars, and a float mtime adds a PAX record to each member) plus its data
+    padded to 512 bytes. An estimate for deciding where a shard ends; `ShardSink` tracks the
+    real offsets."""
+    return sum(1536 + math.ceil(len(v) / 512) * 512 for k, v in sample.items() if not k.startswith("_"))
+
+
+def tar_file_size(content: int) -> int:
+    """The size of a tar file whose members and end-of-archive blocks take `content` bytes:
+    tarfile pads the archive to whole 10 KiB records."""
+    return math.ceil(content / tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
 
 class ShardSink:
     """Write samples into `pattern % shard_index` tar shards, starting a new shard before one
-    would exceed `maxcount` samples or `maxbytes` bytes (a single larger sample gets a shard of
-    its own). Shards are only created when a sample is written. Fixed mtime/user/group: the tar
+    would exceed `maxcount` samples or a file size of `maxbytes` bytes (a single larger sample
+    gets a shard of its own). Shards are only created when a sample is written. Fixed mtime/user/group: the tar
     bytes are a function of the samples only.
 
         with ShardSink(os.path.join(out, "train-%06d.tar"), maxcount=1024) as sink:
@@ -201,11 +211,11 @@ class ShardSink:
         if (self._tar is None
                 or (self.maxcount is not None and self.counts[-1] >= self.maxcount)
                 or (self.maxbytes is not None and self.counts[-1] > 0
-                    and self.sizes[-1] + size > self.maxbytes)):
+                    and tar_file_size(self.sizes[-1] + size) > self.maxbytes)):
             self._next()
         self._tar.write(sample)
         self.counts[-1] += 1
-        self.sizes[-1] += size
+        self.sizes[-1] = self._tar.tarstream.offset + 1024  # + the end-of-archive blocks
 
     def _close_current(self) -> None:
         if self._tar is not None:

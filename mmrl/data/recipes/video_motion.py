@@ -8,7 +8,7 @@ of the free room. Frames are encoded as a real H.264 MP4 (PyAV, libx264, yuv420p
 
 Each sample is `KEY.json` ({"prompt", "answer", "videos": ["mp4"], "metadata": {"split",
 "index", "direction", "shape", "colour", "side", "frames", "fps", "width", "height", "centres"}};
-`centres` is the shape's [x, y] centre per frame) plus `KEY.mp4`.
+`centres` is the centre [x, y] of the shape's box per frame) plus `KEY.mp4`.
 """
 from __future__ import annotations
 

@@ -1,0 +1,311 @@
+"""The synthetic recipes (counting, grounding, multi_image, video_motion): real shards in tmp_path,
+read back with tarfile / PIL / PyAV for the pixel checks and with `load_all` for the stream path."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmrl.cli import main
+from mmrl.data.recipes import counting, grounding, multi_image, video_motion
+from mmrl.data.recipes._common import NUMBER_WORDS, SHAPES, ShardSink, tar_file_size
+from mmrl.data.stream import load_all
+from mmrl.registry import resolve
+from mmrl.rewards.colour import detect_colour
+
+ARGS = {
+    "counting": dict(train_size=50, heldout_size=10, shard_size=16, seed=5),
+    "grounding": dict(train_size=48, heldout_size=9, shard_size=16, seed=5),
+    "multi_image": dict(train_size=40, heldout_size=8, shard_size=16, seed=5),
+    "video_motion": dict(train_size=16, heldout_size=8, shard_size=8, seed=5),
+}
+MODULES = {"counting": counting, "grounding": grounding, "multi_image": multi_image,
+           "video_motion": video_motion}
+
+
+def read_members(path: str) -> dict[str, dict[str, bytes]]:
+    """key -> {member suffix: bytes}, in tar order."""
+    out: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path) as tf:
+        for ti in tf:
+            key, _, ext = ti.name.partition(".")
+            out.setdefault(key, {})[ext] = tf.extractfile(ti).read()
+    return out
+
+
+def read_split(out_dir: str, split: str) -> dict[str, dict[str, bytes]]:
+    members: dict[str, dict[str, bytes]] = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith(split + "-") and name.endswith(".tar"):
+            members.update(read_members(os.path.join(out_dir, name)))
+    return members
+
+
+def records(out_dir: str, split: str) -> list[dict]:
+    return [json.loads(m["json"]) for m in read_split(out_dir, split).values()]
+
+
+def saturated(pixels: np.ndarray) -> np.ndarray:
+    """bool mask of shape pixels (palette colours are saturated; the grey background is not)."""
+    a = pixels.astype(np.float32)
+    mx = a.max(-1)
+    return (mx - a.min(-1)) / np.maximum(mx, 1.0) > 0.45
+
+
+def components(mask: np.ndarray, min_size: int = 4) -> list[int]:
+    """Sizes of 4-connected components with at least `min_size` pixels (iterative flood fill)."""
+    seen = np.zeros_like(mask, bool)
+    sizes = []
+    h, w = mask.shape
+    for y0, x0 in zip(*np.nonzero(mask)):
+        if seen[y0, x0]:
+            continue
+        stack, n = [(y0, x0)], 0
+        seen[y0, x0] = True
+        while stack:
+            y, x = stack.pop()
+            n += 1
+            for yy, xx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                if 0 <= yy < h and 0 <= xx < w and mask[yy, xx] and not seen[yy, xx]:
+                    seen[yy, xx] = True
+                    stack.append((yy, xx))
+        if n >= min_size:
+            sizes.append(n)
+    return sizes
+
+
+def decode_mp4(data: bytes) -> tuple[np.ndarray, float]:
+    import av
+
+    with av.open(io.BytesIO(data)) as c:
+        stream = c.streams.video[0]
+        assert stream.codec_context.name == "h264" and stream.codec_context.pix_fmt == "yuv420p"
+        fps = float(stream.average_rate)
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+    return frames, fps
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = {}
+    for name, args in ARGS.items():
+        d = str(tmp_path_factory.mktemp(name))
+        out[name] = (d, resolve("dataset", name)(d, **args))
+    return out
+
+
+# ------------------------------------------------------------------------------ every recipe
+
+@pytest.mark.parametrize("name", list(ARGS))
+def test_counts_manifest_and_splits(built, name):
+    out, info = built[name]
+    args = ARGS[name]
+    assert resolve("dataset", name) is MODULES[name].build
+    assert info["recipe"] == name and info["args"]["seed"] == args["seed"]
+    assert info["counts"] == {"train": args["train_size"], "heldout": args["heldout_size"]}
+    with open(os.path.join(out, "dataset.json")) as f:
+        assert json.load(f) == info
+    n_train = -(-args["train_size"] // args["shard_size"])
+    assert info["shards"]["train"] == f"train-{{000000..{n_train - 1:06d}}}.tar"
+    train, held = read_split(out, "train"), read_split(out, "heldout")
+    assert len(train) == args["train_size"] and len(held) == args["heldout_size"]
+    # disjoint keys and media; every record says its split
+    assert not set(train) & set(held)
+    media = lambda ms: {v for m in ms.values() for k, v in m.items() if k != "json"}  # noqa: E731
+    assert not media(train) & media(held)
+    for split, ms in (("train", train), ("heldout", held)):
+        assert all(json.loads(m["json"])["metadata"]["split"] == split for m in ms.values())
+
+
+@pytest.mark.parametrize("name", list(ARGS))
+def test_balanced_answers(built, name):
+    out, info = built[name]
+    labels = {"counting": list(NUMBER_WORDS[1:6]), "grounding": list(SHAPES),
+              "multi_image": ["yes", "no"], "video_motion": list(video_motion.DIRECTIONS)}[name]
+    for split in ("train", "heldout"):
+        recs = records(out, split)
+        if name == "grounding":
+            got = Counter(r["metadata"]["target"] for r in recs)
+        else:
+            got = Counter(r["answer"] for r in recs)
+        assert set(got) <= set(labels)
+        n = len(recs)
+        assert sorted(got.values()) == sorted(n // len(labels) + (i < n % len(labels)) for i in range(len(labels)))
+
+
+@pytest.mark.parametrize("name", list(ARGS))
+def test_deterministic_for_a_seed(built, name, tmp_path):
+    out, _ = built[name]
+    build = resolve("dataset", name)
+    build(str(tmp_path / "again"), **ARGS[name])
+    for shard in sorted(n for n in os.listdir(out) if n.endswith(".tar")):
+        with open(os.path.join(out, shard), "rb") as a, open(tmp_path / "again" / shard, "rb") as b:
+            assert a.read() == b.read(), shard
+    build(str(tmp_path / "other"), **{**ARGS[name], "seed": 6})
+    a, b = read_split(out, "heldout"), read_split(str(tmp_path / "other"), "heldout")
+    ext = next(k for k in a[next(iter(a))] if k != "json")
+    assert sum(a[k][ext] == b[k][ext] for k in a) == 0
+
+
+@pytest.mark.parametrize("name", list(ARGS))
+def test_decodes_through_the_stream(built, name):
+    out, info = built[name]
+    samples = load_all(os.path.join(out, info["shards"]["heldout"]))
+    assert len(samples) == ARGS[name]["heldout_size"]
+    for s in samples:
+        assert s.prompt_text and s.answer is not None and s.metadata["split"] == "heldout"
+        if name == "video_motion":
+            assert len(s.videos) == 1 and not s.images
+            assert s.videos[0].total_num_frames == 8 and s.videos[0].frames.shape[1:] == (64, 64, 3)
+        else:
+            assert len(s.images) == (2 if name == "multi_image" else 1) and not s.videos
+
+
+# ----------------------------------------------------------------------------------- counting
+
+def test_counting_pixels_match_the_answer(built):
+    out, _ = built["counting"]
+    for split in ("train", "heldout"):
+        for key, m in read_split(out, split).items():
+            rec = json.loads(m["json"])
+            meta = rec["metadata"]
+            assert rec["prompt"] == counting.PROMPT
+            assert rec["answer"] == NUMBER_WORDS[meta["count"]] and 1 <= meta["count"] <= 5
+            assert len(meta["boxes"]) == meta["count"] and meta["shape"] in SHAPES
+            img = np.asarray(Image.open(io.BytesIO(m["png"])))
+            assert img.shape == (84, 84, 3)
+            assert len(components(saturated(img))) == meta["count"], key
+
+
+def test_counting_options(tmp_path):
+    info = counting.build(str(tmp_path), train_size=12, heldout_size=4, shard_size=100, min_count=0,
+                          max_count=8, image_size=64)
+    assert info["answers"] == list(NUMBER_WORDS[:9])
+    recs = records(str(tmp_path), "train")
+    assert {r["answer"] for r in recs} <= set(NUMBER_WORDS[:9])
+    with pytest.raises(ValueError, match="max_count"):
+        counting.build(str(tmp_path), train_size=2, heldout_size=2, max_count=10)
+
+
+# ---------------------------------------------------------------------------------- grounding
+
+def test_grounding_box_is_the_named_shape(built):
+    out, _ = built["grounding"]
+    fill = {"square": 1.0, "circle": np.pi / 4, "triangle": 0.5}
+    for key, m in read_split(out, "train").items():
+        rec = json.loads(m["json"])
+        meta = rec["metadata"]
+        target = meta["target"]
+        assert rec["prompt"] == f"Where is the {target}? Answer with its box [x1, y1, x2, y2]."
+        x1, y1, x2, y2 = rec["answer"]
+        assert meta["image_size"] == [84, 84]
+        assert meta["box_rel"] == [round(v / 84, 4) for v in rec["answer"]]
+        assert 0 <= x1 < x2 <= 84 and 0 <= y1 < y2 <= 84 and x2 - x1 == y2 - y1
+        assert 1 <= len(meta["distractors"]) <= 3
+        assert all(d["shape"] != target for d in meta["distractors"])
+        mask = saturated(np.asarray(Image.open(io.BytesIO(m["png"]))))
+        inside = mask[y1:y2, x1:x2]
+        assert abs(inside.mean() - fill[target]) < 0.12, (key, target, inside.mean())
+        # the box is tight: every edge row / column holds shape pixels
+        assert inside[0].any() and inside[-1].any() and inside[:, 0].any() and inside[:, -1].any()
+        # nothing else overlaps it: distractor boxes are disjoint from the target's
+        for d in meta["distractors"]:
+            a1, b1, a2, b2 = d["box"]
+            assert a2 <= x1 or x2 <= a1 or b2 <= y1 or y2 <= b1
+
+
+# -------------------------------------------------------------------------------- multi_image
+
+def test_multi_image_members_and_colours(built):
+    out, info = built["multi_image"]
+    assert info["images_per_sample"] == 2
+    for key, m in read_split(out, "train").items():
+        assert set(m) == {"json", "0.png", "1.png"}, key
+        rec = json.loads(m["json"])
+        assert rec["images"] == ["0.png", "1.png"] and rec["prompt"] == multi_image.PROMPT
+        c0, c1 = rec["metadata"]["colours"]
+        assert rec["answer"] == ("yes" if c0 == c1 else "no")
+        seen = [detect_colour(Image.open(io.BytesIO(m[f"{i}.png"]))) for i in (0, 1)]
+        assert seen == [c0, c1], key
+        assert m["0.png"] != m["1.png"]
+
+
+def test_multi_image_stream_order(built):
+    out, info = built["multi_image"]
+    for s in load_all(os.path.join(out, info["shards"]["heldout"])):
+        assert [c["type"] for c in s.messages[-1]["content"]] == ["image", "image", "text"]
+        assert [detect_colour(im) for im in s.images] == s.metadata["colours"]
+
+
+# ------------------------------------------------------------------------------- video_motion
+
+def test_video_motion_centroid_moves_the_stated_way(built):
+    out, _ = built["video_motion"]
+    axis_sign = {"left": (0, -1), "right": (0, 1), "up": (1, -1), "down": (1, 1)}
+    for split in ("train", "heldout"):
+        for key, m in read_split(out, split).items():
+            assert set(m) == {"json", "mp4"}
+            rec = json.loads(m["json"])
+            assert rec["videos"] == ["mp4"] and rec["prompt"] == video_motion.PROMPT
+            frames, fps = decode_mp4(m["mp4"])
+            assert frames.shape == (8, 64, 64, 3) and fps == 4.0
+            centres = []
+            for f in frames:
+                ys, xs = np.nonzero(saturated(f))
+                assert len(xs) > 20, key
+                centres.append((xs.mean(), ys.mean()))
+            centres = np.array(centres)
+            axis, sign = axis_sign[rec["answer"]]
+            along = sign * np.diff(centres[:, axis])
+            assert (along > -0.5).all(), (key, centres)  # monotone, up to compression noise
+            assert along.sum() >= 0.5 * (64 - rec["metadata"]["side"]) - 2, key
+            assert np.abs(centres[:, 1 - axis] - centres[0, 1 - axis]).max() < 1.5  # straight line
+            # the metadata's box centres move as the pixels do (a triangle's centroid sits lower
+            # than its box centre, so compare displacements)
+            meta = np.array(rec["metadata"]["centres"])
+            assert np.abs((centres - centres[0]) - (meta - meta[0])).max() < 1.5, key
+
+
+def test_video_motion_options(tmp_path):
+    info = video_motion.build(str(tmp_path), train_size=4, heldout_size=4, frames=6, fps=3,
+                              width=48, height=32, shard_size=10)
+    assert info["modality"] == "video"
+    m = next(iter(read_members(str(tmp_path / "train-000000.tar")).values()))
+    frames, fps = decode_mp4(m["mp4"])
+    assert frames.shape == (6, 32, 48, 3) and fps == 3.0
+    with pytest.raises(ValueError, match="even"):
+        video_motion.build(str(tmp_path), train_size=2, heldout_size=2, width=63)
+
+
+# --------------------------------------------------------------------------------------- misc
+
+def test_cli_build_with_options_after_out(tmp_path, capsys):
+    out = str(tmp_path / "c")
+    assert main(["data", "build", "counting", "--out", out, "train_size=10", "heldout_size=5",
+                 "max_count=3", "shard_size=4"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["counts"] == {"train": 10, "heldout": 5} and info["args"]["max_count"] == 3
+    assert main(["data", "build", "counting", "--out", out, "bogus=1"]) == 2
+    assert "unknown option(s) bogus" in capsys.readouterr().err
+
+
+def test_shard_sink_size_limit(tmp_path):
+    rng = np.random.default_rng(0)
+    blobs = [rng.bytes(int(n)) for n in rng.integers(3_000, 9_000, 40)]
+    with ShardSink(str(tmp_path / "s-%06d.tar"), maxbytes=30_000) as sink:
+        for i, b in enumerate(blobs):
+            sink.write({"__key__": f"k{i:03d}", "bin": b})
+    sizes = [os.path.getsize(p) for p in sink.shards]
+    assert all(s <= 30_000 for s in sizes) and len(sizes) >= 8
+    assert [tar_file_size(s) for s in sink.sizes] == sizes
+    assert sum(sink.counts) == 40
+    # nothing written: no shard file at all
+    with ShardSink(str(tmp_path / "empty-%06d.tar"), maxcount=3) as empty:
+        pass
+    assert empty.shards == [] and not list(tmp_path.glob("empty-*"))
