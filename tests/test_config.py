@@ -98,6 +98,6 @@ def test_dry_run_prints_config_and_placement(capsys: pytest.CaptureFixture[str],
                f"data.heldout_shards={colors_dir}/heldout-000000.tar", "--dry-run"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "group_size: 8" in out and "# placement (device: cpu)" in out
+    assert "group_size: 16" in out and "# placement (device: cpu)" in out
     assert "rollout/0" in out and "trainer/0" in out and "trainer/1" in out
     assert "DeepSpeed ZeRO-3 rank 1/2 (gloo)" in out

@@ -83,7 +83,7 @@ def test_sample_layout(built):
         meta = rec["metadata"]
         assert set(meta) == {"split", "shape", "frac", "index"}
         assert meta["split"] == "train" and meta["shape"] in ("square", "circle")
-        assert 0.6 - 1e-3 <= meta["frac"] <= 1.0
+        assert 0.8 - 1e-3 <= meta["frac"] <= 1.0
 
 
 def test_balanced_colours(built):

@@ -18,6 +18,7 @@ from mmrl.rewards.base import call_reward, reward_kwargs
 
 CONTRACT_ARGS: dict[tuple[str, str], dict] = {
     ("reward", "first_word_in"): {"words": ["red", "green"]},
+    ("reward", "dapo_overlong"): {"max_length": 4, "cache_length": 2},
 }
 
 

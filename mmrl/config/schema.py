@@ -64,11 +64,30 @@ class ModelConfig:
 
 
 @dataclass
+class DecodeConfig:
+    """Media decoding in the loader workers (mmrl.data.decode.DecodeOptions)."""
+
+    pixel_limit: int = 64_000_000  # decompression-bomb guard, per image or frame
+    fps: float = 2.0  # video frames sampled per second (ignored when num_frames is set)
+    num_frames: Optional[int] = None
+    min_frames: int = 4
+    max_frames: int = 32
+    max_pixels: Optional[int] = 602_112  # downscale frames while decoding (Qwen-VL's per-frame budget)
+    decoders: list[str] = field(default_factory=lambda: ["decord", "torchcodec", "pyav"])
+    timeout_s: float = 30.0  # per video and decoder: decord can hang on some files
+
+
+@dataclass
 class DataConfig:
     train_shards: str = "work/data/colors/train-{000000..000003}.tar"
     heldout_shards: Optional[str] = "work/data/colors/heldout-000000.tar"
     shuffle_buffer: int = 256
     num_workers: int = 1
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    # Bad samples are skipped, counted by reason and listed in RUN_DIR/quarantine.jsonl; the run
+    # stops when their share passes max_bad_ratio (checked after min_samples_for_ratio samples).
+    max_bad_ratio: Optional[float] = 0.05
+    min_samples_for_ratio: int = 1000
 
 
 @dataclass

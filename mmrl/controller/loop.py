@@ -21,6 +21,7 @@ from mmrl.config.load import to_yaml
 from mmrl.config.schema import Config
 from mmrl.controller.metrics import MetricsLogger
 from mmrl.controller.placement import placement_plan
+from mmrl.data.quarantine import BadSample
 from mmrl.data.sample import Sample
 from mmrl.processors import ProcessedPrompt, build_processor
 from mmrl.processors.base import PromptRejected
@@ -114,13 +115,18 @@ def start_runtime(cfg: Config) -> Runtime:
                    sampling=sampling, engines=engines, trainers=trainers)
 
 
-def _prompts(processor: Any, samples: list[Sample], rejected: dict[str, int]) -> list[tuple[Sample, ProcessedPrompt]]:
+def _prompts(processor: Any, samples: list[Sample], rejected: dict[str, int],
+             ledger: Any = None) -> list[tuple[Sample, ProcessedPrompt]]:
+    """Process samples; a rejected prompt is skipped, counted, and (for the training stream)
+    written to the quarantine report like any other bad sample."""
     out = []
     for s in samples:
         try:
             out.append((s, processor(s)))
         except PromptRejected as e:
-            rejected[str(e).split(";")[0][:80]] = rejected.get(str(e).split(";")[0][:80], 0) + 1
+            rejected[s.key] = 1
+            if ledger is not None:
+                ledger.record_bad(BadSample("prompt_rejected", s.key, s.source, str(e)), already_counted=True)
     return out
 
 
@@ -199,19 +205,22 @@ def _batches(stream: Iterator[Sample], n: int) -> Iterator[list[Sample]]:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to the end; return a summary (final/best held-out accuracy, steps, wall time)."""
-    from mmrl.data.stream import ShardStream, load_all
+    from mmrl.data.stream import DecodeOptions, ShardStream, load_all
 
     torch.manual_seed(cfg.run.seed)
     rt = start_runtime(cfg)
     advantage_fn = registry.resolve("advantage", cfg.algorithm.advantage)
     agent_loop = registry.resolve("agent_loop", cfg.rollout.agent_loop)
-    rejected: dict[str, int] = {}
+    rejected: dict[str, int] = {}  # key -> 1, for prompts the processor refused
     heldout: list[tuple[Sample, ProcessedPrompt]] = []
+    decode = DecodeOptions(**{**vars(cfg.data.decode), "decoders": tuple(cfg.data.decode.decoders)})
     if cfg.data.heldout_shards:
-        samples = load_all(cfg.data.heldout_shards)
+        samples = load_all(cfg.data.heldout_shards, decode=decode)
         heldout = _prompts(rt.processor, samples[:cfg.eval.num_prompts] if cfg.eval.num_prompts else samples, rejected)
     stream = ShardStream(cfg.data.train_shards, shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.run.seed,
-                         num_workers=cfg.data.num_workers)
+                         num_workers=cfg.data.num_workers, decode=decode,
+                         quarantine_path=rt.run_dir / "quarantine.jsonl", max_bad_ratio=cfg.data.max_bad_ratio,
+                         min_samples_for_ratio=cfg.data.min_samples_for_ratio)
     logger = MetricsLogger(rt.run_dir, total_steps=cfg.run.max_steps, tensorboard=cfg.logging.tensorboard,
                            progress_bar=cfg.logging.progress_bar, console_every=cfg.logging.console_every)
     summary: dict[str, Any] = {"run_dir": str(rt.run_dir), "heldout_curve": []}
@@ -226,7 +235,7 @@ def train(cfg: Config) -> dict[str, Any]:
             spans = StepSpans()
             t_step = time.time()
             with spans("data_wait"):
-                pairs = _prompts(rt.processor, next(batches), rejected)
+                pairs = _prompts(rt.processor, next(batches), rejected, stream.quarantine)
             samples, prompts = [s for s, _ in pairs], [p for _, p in pairs]
             with spans("rollout"):
                 groups = agent_loop(RolloutContext(rt.engines, rt.sampling, rt.weight_version), prompts)
@@ -254,6 +263,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 "rollout/response_length": float(np.mean(lengths)),
                 "rollout/groups_all_same_reward": float(np.mean([float((r == r[0]).all()) for r in rewards_BG])),
                 "data/rejected_prompts": float(sum(rejected.values())),
+                "data/bad_samples": float(sum(stream.bad_counts.values())),
                 "weight_version": float(rt.weight_version),
                 **spans.metrics(), "time/step_s": time.time() - t_step, "time/wall_s": wall,
             })
@@ -272,6 +282,6 @@ def train(cfg: Config) -> dict[str, Any]:
         rt.close()
     curve = summary["heldout_curve"]
     summary.update(wall_s=time.time() - t_start, final_heldout_accuracy=curve[-1][1] if curve else None,
-                   best_heldout_accuracy=max((c[1] for c in curve), default=None), rejected_prompts=rejected,
-                   bad_samples=dict(getattr(stream, "bad_counts", {})))
+                   best_heldout_accuracy=max((c[1] for c in curve), default=None), rejected_prompts=len(rejected),
+                   bad_samples=dict(stream.bad_counts))
     return summary

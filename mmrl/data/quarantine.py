@@ -38,6 +38,7 @@ REASONS: dict[str, str] = {
     "shard_open_error": "a shard could not be opened (missing file, permissions)",
     "shard_read_error": "a shard broke while reading (truncated tar, failing pipe: command)",
     "decode_error": "an unexpected exception while decoding (a bug or an exotic input; see detail)",
+    "prompt_rejected": "the processor refused the prompt (e.g. it would be cut inside a vision block)",
 }
 
 
@@ -106,8 +107,11 @@ class QuarantineLedger:
     def record_good(self) -> None:
         self.seen += 1  # the ratio is checked at bad samples only: a good one is always delivered
 
-    def record_bad(self, bad: BadSample, epoch: int | None = None) -> None:
-        self.seen += 1
+    def record_bad(self, bad: BadSample, epoch: int | None = None, *, already_counted: bool = False) -> None:
+        """`already_counted`: the sample was delivered as good and rejected later (by the
+        processor), so it is not seen a second time."""
+        if not already_counted:
+            self.seen += 1
         self.counts[bad.reason] += 1
         self.examples.append(bad)
         first = self.counts[bad.reason] == 1

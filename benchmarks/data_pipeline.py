@@ -1,0 +1,100 @@
+"""Loader throughput vs the decode-only bound, for an image set and a video set, in one run.
+
+    .venv/bin/python benchmarks/data_pipeline.py [--workers 2] [--images 1024] [--videos 96]
+
+The bound: the same decoders (mmrl.data.decode.decode_sample) on the same number of worker
+processes, fed raw sample bytes already in memory: no tar reading, no shuffle buffer, no queue
+between processes beyond handing back a count. The loader: ShardStream over the tar shards with
+`--workers` DataLoader workers, one epoch, everything delivered to the main process as Samples.
+Ratio = loader samples/s / bound samples/s (goal >= 0.9). Results go to
+benchmarks/results/data_pipeline.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _raw_samples(pattern: list[str]) -> list[dict[str, Any]]:
+    from mmrl.data.shards import expand_urls, read_shard
+
+    return [raw for url in expand_urls(pattern) for raw in read_shard(url) if isinstance(raw, dict)]
+
+
+def _decode_chunk(raws: list[dict[str, Any]]) -> int:
+    from mmrl.data.decode import DecodeOptions, decode_sample
+
+    options = DecodeOptions()
+    for raw in raws:
+        decode_sample(raw, options)
+    return len(raws)
+
+
+def decode_bound(pattern: list[str], workers: int) -> float:
+    """Samples/s of decode alone on `workers` processes (raw bytes pre-loaded and pre-split)."""
+    raws = _raw_samples(pattern)
+    chunks = [raws[i::workers] for i in range(workers)]
+    with mp.get_context("fork").Pool(workers) as pool:
+        pool.map(_decode_chunk, [c[:2] for c in chunks])  # warm imports in the workers
+        t0 = time.perf_counter()
+        n = sum(pool.map(_decode_chunk, chunks))
+        return n / (time.perf_counter() - t0)
+
+
+def loader_rate(pattern: list[str], workers: int) -> float:
+    from mmrl.data.stream import ShardStream
+
+    stream = ShardStream(pattern, num_workers=workers, epochs=1, shuffle_buffer=0, max_bad_ratio=None)
+    it = iter(stream)
+    first = next(it)  # worker start-up is not throughput
+    t0 = time.perf_counter()
+    n = sum(1 for _ in it)
+    rate = n / (time.perf_counter() - t0)
+    stream.close()
+    assert first is not None and n > 0
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--images", type=int, default=2048)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--videos", type=int, default=128)
+    ap.add_argument("--frames", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "data_pipeline.json"))
+    args = ap.parse_args()
+    from mmrl import registry
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        registry.resolve("dataset", "colors")(f"{tmp}/img", train_size=args.images, heldout_size=8,
+                                              image_size=args.image_size, shard_size=256, image_format="jpg")
+        registry.resolve("dataset", "video_motion")(f"{tmp}/vid", train_size=args.videos, heldout_size=4,
+                                                    frames=args.frames, width=224, height=224, shard_size=32)
+        for name, folder in [("image", "img"), ("video", "vid")]:
+            spec = sorted(str(p) for p in Path(tmp, folder).glob("train-*.tar"))
+            bounds, loads = [], []
+            for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits both
+                bounds.append(decode_bound(spec, args.workers))
+                loads.append(loader_rate(spec, args.workers))
+            bound, load = max(bounds), max(loads)
+            results[name] = {"decode_bound_samples_per_s": bound, "loader_samples_per_s": load,
+                             "ratio": load / bound, "all_bound": bounds, "all_loader": loads}
+            print(f"{name:5s}: loader {load:8.1f} samples/s | decode-only bound {bound:8.1f} samples/s | "
+                  f"ratio {load / bound:.2f}  ({args.workers} workers, best of {args.repeats})", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
