@@ -1,4 +1,4 @@
-"""The `mmrl` command line: train, tiny-model, data build/convert/inspect, plugins list."""
+"""The `mmrl` command line: train, tiny-model, data build/convert/inspect, plugins list, rewards check."""
 from __future__ import annotations
 
 import argparse
@@ -126,6 +126,125 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_responses(path: str) -> list[tuple[str | None, str]]:
+    """(key or None, response) rows from a JSONL of {"key", "response"} objects or plain lines
+    (a line that is a JSON string is unquoted, so responses may contain escaped newlines)."""
+    rows: list[tuple[str | None, str]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                obj = line
+            if isinstance(obj, dict):
+                if "response" not in obj:
+                    raise ValueError(f"{path}:{lineno}: a JSON object needs a 'response' key "
+                                     f"(and optionally 'key'), got keys {sorted(obj)}")
+                key = obj.get("key")
+                rows.append((None if key is None else str(key), str(obj["response"])))
+            else:
+                rows.append((None, obj if isinstance(obj, str) else line))
+    return rows
+
+
+def _cell(value: Any, width: int) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = text.replace("\n", "\\n").replace("\t", " ")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+@_user_value_errors
+def cmd_rewards_check(args: argparse.Namespace) -> int:
+    from mmrl.data.inspect import shard_urls
+    from mmrl.data.stream import ShardStream
+    from mmrl.rewards import RewardSet
+    from mmrl.rewards.workers import GroupScorer
+
+    try:
+        reward_args = json.loads(args.args) if args.args else {}
+    except ValueError as e:
+        raise ValueError(f"--args must be a JSON object, e.g. '{{\"first_word\": true}}': {e}") from e
+    if not isinstance(reward_args, dict):
+        raise ValueError(f"--args must be a JSON object, e.g. '{{\"first_word\": true}}', got {args.args}")
+    rewards = RewardSet([{"name": args.reward, "args": reward_args}])  # PluginError: exit 2 in main()
+    rows_in = _read_responses(args.responses) if args.responses else None
+    keyed = rows_in is not None and any(k is not None for k, _ in rows_in)
+    if keyed and any(k is None for k, _ in rows_in or []):
+        raise ValueError(f"{args.responses}: mix of rows with and without 'key'; give every row a key, "
+                         f"or none (then rows apply to the samples in order)")
+    limit = args.limit if args.limit is not None else (len(rows_in) if rows_in else 16)
+
+    # (sample, response) pairs to score
+    pairs: list[tuple[Any, str]] = []
+    stream = ShardStream(shard_urls(args.shards), epochs=1, shuffle_buffer=0, num_workers=0, split_by_node=False,
+                         shuffle_shards=False, max_bad_ratio=None)
+    try:
+        if keyed:
+            wanted: dict[str, list[str]] = {}
+            for k, r in (rows_in or [])[:limit]:
+                wanted.setdefault(str(k), []).append(r)
+            found: dict[str, Any] = {}
+            for sample in stream:
+                if sample.key in wanted and sample.key not in found:
+                    found[sample.key] = sample
+                    if len(found) == len(wanted):
+                        break
+            missing = [k for k in wanted if k not in found]
+            if missing:
+                print(f"mmrl: warning: {len(missing)} response key(s) not found in the shards: "
+                      f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}", file=sys.stderr)
+            pairs = [(found[k], r) for k, rs in wanted.items() if k in found for r in rs]
+        else:
+            for i, sample in enumerate(stream):
+                if rows_in is not None:
+                    if i >= min(limit, len(rows_in)):
+                        break
+                    pairs.append((sample, rows_in[i][1]))
+                else:
+                    if i >= limit:
+                        break
+                    ref = sample.answer if isinstance(sample.answer, str) else json.dumps(sample.answer)
+                    pairs += [(sample, "" if sample.answer is None else ref), (sample, "")]
+    finally:
+        stream.close()
+    if not pairs:
+        print("mmrl: no samples to score (empty shards, or no response matched a sample)", file=sys.stderr)
+        return 1
+
+    scorer = GroupScorer(rewards, timeout_s=args.timeout)
+    label = rewards.names[0]
+    table: list[tuple[str, str, str, str, str]] = []
+    scores: list[float] = []
+    failures: list[tuple[str, dict[str, str]]] = []
+    for sample, response in pairs:
+        out, fails = scorer.score_response(sample, response)
+        comps = {k.split("/", 1)[1]: v for k, v in out.items() if "/" in k and k.split("/", 1)[1] != "score"}
+        if fails:  # the error (or timeout) in place of the score
+            failures.append((sample.key, fails[0]))
+            score_cell, comp_cell = fails[0]["kind"].upper(), _cell(fails[0]["message"], 60)
+        else:
+            scores.append(out["score"])
+            score_cell = f"{out['score']:.4g}"
+            comp_cell = " ".join(f"{k}={v:.4g}" for k, v in comps.items())
+        table.append((sample.key, _cell(sample.answer, 24), _cell(response, 40), score_cell, comp_cell))
+    head = ("key", "answer", "response", "score", "components")
+    widths = [max(len(r[i]) for r in table + [head]) for i in range(4)]
+    print("  ".join(f"{h:<{w}}" for h, w in zip(head, widths)) + "  " + head[4])
+    for row in table:
+        print("  ".join(f"{c:<{w}}" for c, w in zip(row, widths)) + "  " + row[4])
+    if failures:
+        key, f = failures[0]
+        print(f"\n{len(failures)} of {len(pairs)} call(s) failed; the first (sample {key!r}): "
+              f"{f['message']}\n{f['traceback'].rstrip()}")
+    mean = sum(scores) / len(scores) if scores else float("nan")
+    print(f"\nmean score of {label!r}: {mean:.4f} over {len(scores)} scored response(s)"
+          + (f" ({len(failures)} failed)" if failures else ""))
+    return 1 if failures else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmrl", description="Multimodal RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,6 +299,26 @@ def build_parser() -> argparse.ArgumentParser:
     lst = plug_sub.add_parser("list", help="name, kind and origin of every registered plugin")
     lst.add_argument("--kind", default=None)
     lst.set_defaults(func=cmd_plugins_list)
+
+    p = sub.add_parser("rewards", help="debug reward plugins on real samples")
+    rew_sub = p.add_subparsers(dest="rewards_command", required=True)
+    chk = rew_sub.add_parser(
+        "check", help="score responses with one reward on samples from shards and print a table",
+        description="Score responses with one reward on samples from shards. Without --responses, each "
+                    "sample's own answer is scored as the response (a reference check: it should score "
+                    "1) together with an empty response.")
+    chk.add_argument("reward", help="registered name, module:function or path/to/file.py:function")
+    chk.add_argument("--shards", nargs="+", required=True,
+                     help="shard files, brace patterns or a folder of .tar files")
+    chk.add_argument("--responses", default=None,
+                     help='JSONL of {"key": ..., "response": ...}, or one response per line applied to '
+                          'the samples in order')
+    chk.add_argument("--limit", type=int, default=None,
+                     help="score at most N samples/rows (default: all rows of --responses, else 16 samples)")
+    chk.add_argument("--args", default=None,
+                     help='reward arguments as a JSON object, e.g. \'{"first_word": true}\'')
+    chk.add_argument("--timeout", type=float, default=30.0, help="seconds per reward call (default 30)")
+    chk.set_defaults(func=cmd_rewards_check)
     return parser
 
 

@@ -126,6 +126,21 @@ class RewardEntry:
     args: dict[str, Any] = field(default_factory=dict)
 
 
+class OnRewardError(str, Enum):
+    zero = "zero"  # the failing reward scores 0 for that response; the other rewards still count
+    drop_group = "drop_group"  # the prompt's whole group is left out of this step's update
+    stop = "stop"  # raise: the run stops with the reward, sample key and traceback
+
+
+@dataclass
+class RewardExecutionConfig:
+    """Rewards run in Ray worker processes; each call has a timeout and failures are isolated."""
+
+    num_workers: int = 1
+    timeout_s: float = 30.0
+    on_error: OnRewardError = OnRewardError.zero
+
+
 @dataclass
 class AlgorithmConfig:
     advantage: str = "grpo"
@@ -183,6 +198,7 @@ class Config:
     processor: ProcessorConfig = field(default_factory=ProcessorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: list[RewardEntry] = field(default_factory=lambda: [RewardEntry()])
+    reward_execution: RewardExecutionConfig = field(default_factory=RewardExecutionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

@@ -25,7 +25,7 @@ from mmrl.data.quarantine import BadSample
 from mmrl.data.sample import Sample
 from mmrl.processors import ProcessedPrompt, build_processor
 from mmrl.processors.base import PromptRejected
-from mmrl.rewards.base import RewardSet
+from mmrl.rewards.workers import RewardPool
 from mmrl.rollout.agent_loops import RolloutContext
 from mmrl.rollout.engine import RolloutEngine, engine_kwargs
 from mmrl.rollout.types import SamplingConfig, Trajectory
@@ -49,13 +49,14 @@ class Runtime:
     run_dir: Path
     device: str
     processor: Any
-    rewards: RewardSet
+    rewards: RewardPool
     sampling: SamplingConfig
     engines: list[Any]
     trainers: list[Any]
     weight_version: int = 0
 
     def close(self) -> None:
+        self.rewards.close()
         try:
             ray.get([a.shutdown.remote() for a in self.trainers + self.engines], timeout=60)
         except Exception as e:  # still kill the actors below; say why the clean stop failed
@@ -109,9 +110,11 @@ def start_runtime(cfg: Config) -> Runtime:
         loss_agg=cfg.algorithm.loss_agg.value, entropy_coef=cfg.algorithm.entropy_coef, seed=cfg.run.seed,
         env=env, trust_remote_code=cfg.model.trust_remote_code)
     trainers = make_trainer_actors(spec, trainer_opts)
+    rewards = RewardPool([{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards],
+                         num_workers=cfg.reward_execution.num_workers, timeout_s=cfg.reward_execution.timeout_s,
+                         on_error=cfg.reward_execution.on_error.value)
     ray.get([t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines])
-    return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor,
-                   rewards=RewardSet([{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards]),
+    return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
                    sampling=sampling, engines=engines, trainers=trainers)
 
 
@@ -130,20 +133,6 @@ def _prompts(processor: Any, samples: list[Sample], rejected: dict[str, int],
     return out
 
 
-def score_groups(rewards: RewardSet, processor: Any, samples: list[Sample],
-                 groups: list[list[Trajectory]]) -> dict[str, float]:
-    """Fill trajectory.reward / reward_components; return the batch means of each component."""
-    totals: dict[str, list[float]] = {}
-    for sample, group in zip(samples, groups):
-        for traj in group:
-            scores = rewards.score(sample, processor.decode(traj.response_ids), traj.response_ids)
-            traj.reward = float(scores["score"])
-            traj.reward_components = scores
-            for k, v in scores.items():
-                totals.setdefault(k, []).append(float(v))
-    return {("reward/mean" if k == "score" else f"reward/{k}"): float(np.mean(v)) for k, v in totals.items()}
-
-
 def evaluate(rt: Runtime, heldout: list[tuple[Sample, ProcessedPrompt]]) -> dict[str, float]:
     """Greedy decoding on the held-out prompts; correct when the reward score >= eval.threshold."""
     loop = registry.resolve("agent_loop", rt.cfg.rollout.agent_loop)
@@ -151,7 +140,7 @@ def evaluate(rt: Runtime, heldout: list[tuple[Sample, ProcessedPrompt]]) -> dict
                             forbidden_token_ids=rt.sampling.forbidden_token_ids, greedy=True)
     groups = loop(RolloutContext(rt.engines, greedy, rt.weight_version), [p for _, p in heldout])
     samples = [s for s, _ in heldout]
-    score_groups(rt.rewards, rt.processor, samples, groups)
+    rt.rewards.score(samples, groups, decode=rt.processor.decode, on_error="zero")
     correct = [g[0].reward >= rt.cfg.eval.threshold for g in groups]
     metrics = {"eval/heldout_accuracy": float(np.mean(correct)), "eval/num_prompts": float(len(correct))}
     # Accuracy per answer (when answers are a small set of labels) shows which class is stuck.
@@ -197,6 +186,40 @@ def _merge_train_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
+def run_step(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], advantage_fn: Any, agent_loop: Any,
+             spans: StepSpans) -> dict[str, float]:
+    """One synchronous RL step on a batch of prompts: rollout, rewards, advantages, update, sync."""
+    cfg = rt.cfg
+    samples, prompts = [s for s, _ in pairs], [p for _, p in pairs]
+    with spans("rollout"):
+        groups = agent_loop(RolloutContext(rt.engines, rt.sampling, rt.weight_version), prompts)
+    with spans("reward"):
+        report = rt.rewards.score(samples, groups, decode=rt.processor.decode)
+        metrics = report.metrics()
+        # groups whose reward failed under on_error=drop_group take no part in the update
+        lengths = [len(t.response_ids) for g in groups for t in g]
+        prompts = [p for p, keep in zip(prompts, report.keep) if keep]
+        groups = [g for g, keep in zip(groups, report.keep) if keep]
+    metrics["rollout/response_length"] = float(np.mean(lengths)) if lengths else 0.0
+    if not groups:
+        metrics["train/skipped_steps"] = 1.0  # every group dropped: nothing to learn from
+        return metrics
+    rewards_BG = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
+    advantages_BG = advantage_fn(rewards_BG, **cfg.algorithm.advantage_args)
+    metrics["rollout/groups_all_same_reward"] = float((rewards_BG == rewards_BG[:, :1]).all(1).float().mean())
+    with spans("train"):
+        inputs = build_step_inputs(prompts, groups, advantages_BG, cfg.trainer.world_size,
+                                   cfg.trainer.micro_batch_size, cfg.algorithm.loss_agg.value)
+        per_rank = ray.get([t.train_step.remote(x) for t, x in zip(rt.trainers, inputs)])
+    metrics.update(_merge_train_metrics(per_rank))
+    with spans("weight_sync"):
+        rt.weight_version += 1
+        sync = ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, cfg.weight_sync.bucket_mb)
+                        for t in rt.trainers])[0]
+    metrics.update({"weight_sync/mb": sync["mb"], "weight_version": float(rt.weight_version)})
+    return metrics
+
+
 def _batches(stream: Iterator[Sample], n: int) -> Iterator[list[Sample]]:
     while True:
         batch = [next(stream) for _ in range(n)]
@@ -236,35 +259,15 @@ def train(cfg: Config) -> dict[str, Any]:
             t_step = time.time()
             with spans("data_wait"):
                 pairs = _prompts(rt.processor, next(batches), rejected, stream.quarantine)
-            samples, prompts = [s for s, _ in pairs], [p for _, p in pairs]
-            with spans("rollout"):
-                groups = agent_loop(RolloutContext(rt.engines, rt.sampling, rt.weight_version), prompts)
-            with spans("reward"):
-                metrics = score_groups(rt.rewards, rt.processor, samples, groups)
-                rewards_BG = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
-                advantages_BG = advantage_fn(rewards_BG, **cfg.algorithm.advantage_args)
-            with spans("train"):
-                inputs = build_step_inputs(prompts, groups, advantages_BG, cfg.trainer.world_size,
-                                           cfg.trainer.micro_batch_size, cfg.algorithm.loss_agg.value)
-                per_rank = ray.get([t.train_step.remote(x) for t, x in zip(rt.trainers, inputs)])
-            metrics.update(_merge_train_metrics(per_rank))
-            with spans("weight_sync"):
-                rt.weight_version += 1
-                sync = ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, cfg.weight_sync.bucket_mb)
-                                for t in rt.trainers])[0]
-            metrics["weight_sync/mb"] = sync["mb"]
+            metrics = run_step(rt, pairs, advantage_fn, agent_loop, spans)
             wall = time.time() - t_start
             if heldout and cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.run.max_steps):
                 with spans("eval"):
                     metrics.update(evaluate(rt, heldout))
                 summary["heldout_curve"].append((step, metrics["eval/heldout_accuracy"], wall))
-            lengths = [len(t.response_ids) for g in groups for t in g]
             metrics.update({
-                "rollout/response_length": float(np.mean(lengths)),
-                "rollout/groups_all_same_reward": float(np.mean([float((r == r[0]).all()) for r in rewards_BG])),
-                "data/rejected_prompts": float(sum(rejected.values())),
+                "data/rejected_prompts": float(len(rejected)),
                 "data/bad_samples": float(sum(stream.bad_counts.values())),
-                "weight_version": float(rt.weight_version),
                 **spans.metrics(), "time/step_s": time.time() - t_step, "time/wall_s": wall,
             })
             logger.log(step, metrics)
