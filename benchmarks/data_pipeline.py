@@ -1,4 +1,4 @@
-"""Loader throughput vs the decode-only bound, for an image set and a video set, in one run.
+"""Loader throughput vs the decode-only bound, for image sets and a video set, in one run.
 
     .venv/bin/python benchmarks/data_pipeline.py [--workers 2] [--images 1024] [--videos 96]
 
@@ -66,7 +66,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--images", type=int, default=2048)
-    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--image-sizes", type=int, nargs="+", default=[224, 448],
+                    help="one image set per size: the per-sample pipeline cost is fixed, decode grows with pixels")
     ap.add_argument("--videos", type=int, default=128)
     ap.add_argument("--frames", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -76,11 +77,15 @@ def main() -> None:
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        registry.resolve("dataset", "colors")(f"{tmp}/img", train_size=args.images, heldout_size=8,
-                                              image_size=args.image_size, shard_size=256, image_format="jpg")
+        sets = []
+        for size in args.image_sizes:
+            registry.resolve("dataset", "colors")(f"{tmp}/img{size}", train_size=args.images, heldout_size=8,
+                                                  image_size=size, shard_size=256, image_format="jpg")
+            sets.append((f"image {size}x{size} jpg", f"img{size}"))
         registry.resolve("dataset", "video_motion")(f"{tmp}/vid", train_size=args.videos, heldout_size=4,
                                                     frames=args.frames, width=224, height=224, shard_size=32)
-        for name, folder in [("image", "img"), ("video", "vid")]:
+        sets.append((f"video {args.frames}f 224x224 mp4", "vid"))
+        for name, folder in sets:
             spec = sorted(str(p) for p in Path(tmp, folder).glob("train-*.tar"))
             bounds, loads = [], []
             for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits both
@@ -89,7 +94,7 @@ def main() -> None:
             bound, load = max(bounds), max(loads)
             results[name] = {"decode_bound_samples_per_s": bound, "loader_samples_per_s": load,
                              "ratio": load / bound, "all_bound": bounds, "all_loader": loads}
-            print(f"{name:5s}: loader {load:8.1f} samples/s | decode-only bound {bound:8.1f} samples/s | "
+            print(f"{name:22s}: loader {load:8.1f} samples/s | decode-only bound {bound:8.1f} samples/s | "
                   f"ratio {load / bound:.2f}  ({args.workers} workers, best of {args.repeats})", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

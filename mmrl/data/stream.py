@@ -28,6 +28,7 @@ import copy
 import hashlib
 import os
 import random
+import sys
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -108,7 +109,9 @@ class _StreamEnd:
 
 def _to_shared(item: Any) -> Any:
     """Video frames as torch tensors: the DataLoader queue moves those through shared memory
-    instead of pickling tens of MB through a pipe. `_from_shared` turns them back into numpy."""
+    instead of pickling tens of MB through a pipe. `_from_shared` turns them back into numpy.
+    (Images stay PIL: for images of a few hundred kB, a shared-memory segment per image measured
+    slower than pickling them, benchmarks/data_pipeline.py.)"""
     if isinstance(item, Sample) and item.videos:
         import torch
         for video in item.videos:
@@ -124,14 +127,30 @@ def _from_shared(item: Any) -> Any:
     return item
 
 
+# Items a worker sends per message: one queue round trip per item costs more than decoding a
+# small image, so workers send chunks (the cursor still counts single items in the main process).
+WORKER_CHUNK = 16
+
+
 def _iterate_epoch_source(plan: _EpochPlan) -> Iterator[tuple[int, Any]]:
-    """What DataLoader worker w yields: stream w's items tagged with w, then its end marker."""
+    """What DataLoader worker w yields: stream w's items tagged with w (in chunks of up to
+    WORKER_CHUNK items when in a worker process), then its end marker."""
     import torch.utils.data
     info = torch.utils.data.get_worker_info()
-    stream_id = 0 if info is None else info.id
-    for item in _stream_items(plan, stream_id):
-        yield stream_id, item if info is None else _to_shared(item)  # shared memory only across processes
-    yield stream_id, _StreamEnd()
+    if info is None:
+        for item in _stream_items(plan, 0):
+            yield 0, item
+        yield 0, _StreamEnd()
+        return
+    chunk: list[Any] = []
+    for item in _stream_items(plan, info.id):
+        chunk.append(_to_shared(item))  # shared memory only across processes
+        if len(chunk) == WORKER_CHUNK:
+            yield info.id, chunk
+            chunk = []
+    if chunk:
+        yield info.id, chunk
+    yield info.id, _StreamEnd()
 
 
 def __getattr__(name: str) -> Any:
@@ -198,7 +217,10 @@ def _merge(tagged: Iterator[tuple[int, Any]], cursor: _Cursor) -> Iterator[Any]:
                 source, item = next(tagged)
             except StopIteration:
                 raise RuntimeError(f"data stream {s} ended without its end marker (a worker died?)") from None
-            queues[source].append(item)
+            if isinstance(item, list):  # a worker's chunk
+                queues[source].extend(item)
+            else:
+                queues[source].append(item)
         item = queues[s].popleft()
         cursor.turn = (s + 1) % n
         if isinstance(item, _StreamEnd):
@@ -312,12 +334,22 @@ class ShardStream:
         import torch.utils.data
         source = _epoch_source_class()(plan)
         loader = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.num_workers,
-                                             collate_fn=_identity, multiprocessing_context=self.mp_context)
+                                             collate_fn=_identity, multiprocessing_context=self._worker_context())
         it = iter(loader)
         try:
             yield from _merge(it, cursor)
         finally:
             del it  # shuts the workers down now, also when the consumer stops early
+
+    def _worker_context(self) -> str | None:
+        """fork, unless a video decoder's native library is already live in this process: decord
+        and FFmpeg keep threads and state that a forked child inherits half-initialised, and the
+        worker then aborts. A forkserver child starts clean (slower to start, once per epoch)."""
+        if self.mp_context is not None:
+            return self.mp_context
+        if any(m in sys.modules for m in ("decord", "av", "torchcodec")):
+            return "forkserver"
+        return None
 
     def __iter__(self) -> Iterator[Sample]:
         cursor = self._live = copy.deepcopy(self._start)
