@@ -38,7 +38,7 @@ class MetricsLogger:
             if self.last_heldout is not None:
                 postfix["heldout"] = f"{self.last_heldout:.3f}"
             self._bar.set_postfix(postfix, refresh=False)
-            self._bar.update(1)
+            self._bar.update(1 if step > 0 else 0)  # step 0 is the evaluation before training
         if self.console_every and step % self.console_every == 0:
             keys = ["reward/mean", "eval/heldout_accuracy", "loss/pg", "actor/entropy", "actor/clip_fraction",
                     "mismatch/mean_abs_logprob_diff", "time/step_s"]
