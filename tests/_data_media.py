@@ -98,3 +98,22 @@ def write_tar(path: str | os.PathLike, samples: list[tuple[str, dict[str, bytes]
 
 if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "webm":
     _encode_webm_stdio(*map(int, sys.argv[2:]))
+
+
+def read_members(path: str | os.PathLike) -> dict[str, dict[str, bytes]]:
+    """key -> {member suffix: bytes}, in tar order."""
+    out: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path) as tf:
+        for ti in tf:
+            key, _, ext = ti.name.partition(".")
+            out.setdefault(key, {})[ext] = tf.extractfile(ti).read()
+    return out
+
+
+def read_split(out_dir: str | os.PathLike, split: str) -> dict[str, dict[str, bytes]]:
+    """All members of a recipe's split (its `SPLIT-*.tar` shards), by key."""
+    members: dict[str, dict[str, bytes]] = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith(split + "-") and name.endswith(".tar"):
+            members.update(read_members(os.path.join(out_dir, name)))
+    return members

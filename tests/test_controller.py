@@ -18,7 +18,7 @@ def test_rejected_prompt_goes_to_the_quarantine_report(tiny_model_dir: Path, col
                                                       tmp_path: Path) -> None:
     proc = build_processor("qwen_vl", str(tiny_model_dir), max_prompt_tokens=10)
     ledger = QuarantineLedger(tmp_path / "q.jsonl", max_bad_ratio=None)
-    rejected: dict[str, int] = {}
+    rejected: set[str] = set()
     assert _prompts(proc, colors_samples[:3], rejected, ledger) == []
     assert len(rejected) == 3 and ledger.counts["prompt_rejected"] == 3
     rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import tarfile
 from collections import Counter
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from _data_media import read_members, read_split
 from mmrl.data.recipes.colors import COLOURS, PROMPT, build, render
 from mmrl.registry import resolve
 
@@ -20,22 +20,6 @@ PALETTE = np.array([COLOURS[n] for n in NAMES], dtype=float)
 ARGS = dict(train_size=240, heldout_size=24, shard_size=64, seed=3)
 
 
-def read_members(path: str) -> dict[str, dict[str, bytes]]:
-    """key -> {ext: bytes}, in tar order."""
-    out: dict[str, dict[str, bytes]] = {}
-    with tarfile.open(path) as tf:
-        for ti in tf:
-            key, _, ext = ti.name.partition(".")
-            out.setdefault(key, {})[ext] = tf.extractfile(ti).read()
-    return out
-
-
-def read_split(out_dir: str, split: str) -> dict[str, dict[str, bytes]]:
-    members: dict[str, dict[str, bytes]] = {}
-    for name in sorted(os.listdir(out_dir)):
-        if name.startswith(split + "-") and name.endswith(".tar"):
-            members.update(read_members(os.path.join(out_dir, name)))
-    return members
 
 
 def nearest_colour(img: Image.Image) -> str:

@@ -2,7 +2,6 @@
 real shards (a corrupt image, bad JSON, a missing member, a truncated shard)."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -10,20 +9,12 @@ import tarfile
 
 import pytest
 
+from _data_media import write_tar
 from mmrl.cli import main
 from mmrl.data.inspect import inspect_shards
 from mmrl.data.recipes.colors import COLOURS, PROMPT
 from mmrl.data.recipes.colors import build as build_colors
 
-
-def write_tar(path, samples: list[tuple[str, dict[str, bytes]]]) -> str:
-    with tarfile.open(path, "w") as tf:
-        for key, members in samples:
-            for ext, data in members.items():
-                ti = tarfile.TarInfo(f"{key}.{ext}")
-                ti.size = len(data)
-                tf.addfile(ti, io.BytesIO(data))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import tarfile
 from collections import Counter
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from _data_media import read_members, read_split
 from mmrl.cli import main
 from mmrl.data.recipes import counting, grounding, multi_image, video_motion
 from mmrl.data.recipes._common import NUMBER_WORDS, SHAPES, ShardSink, tar_file_size
@@ -29,22 +29,6 @@ MODULES = {"counting": counting, "grounding": grounding, "multi_image": multi_im
            "video_motion": video_motion}
 
 
-def read_members(path: str) -> dict[str, dict[str, bytes]]:
-    """key -> {member suffix: bytes}, in tar order."""
-    out: dict[str, dict[str, bytes]] = {}
-    with tarfile.open(path) as tf:
-        for ti in tf:
-            key, _, ext = ti.name.partition(".")
-            out.setdefault(key, {})[ext] = tf.extractfile(ti).read()
-    return out
-
-
-def read_split(out_dir: str, split: str) -> dict[str, dict[str, bytes]]:
-    members: dict[str, dict[str, bytes]] = {}
-    for name in sorted(os.listdir(out_dir)):
-        if name.startswith(split + "-") and name.endswith(".tar"):
-            members.update(read_members(os.path.join(out_dir, name)))
-    return members
 
 
 def records(out_dir: str, split: str) -> list[dict]:

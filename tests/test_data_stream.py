@@ -4,12 +4,12 @@ from __future__ import annotations
 import io
 import json
 import os
-import tarfile
 from collections import Counter
 
 import pytest
 from PIL import Image
 
+from _data_media import write_tar
 from mmrl.data.recipes.colors import COLOURS, PROMPT, build
 from mmrl.data.sample import Sample
 from mmrl.data.stream import (BadSampleError, ShardNotFoundError, ShardStream, decode_sample,
@@ -36,15 +36,6 @@ def png(colour=(200, 30, 30), size=(24, 16), fmt="PNG", **kw) -> bytes:
     Image.new("RGB", size, colour).save(buf, fmt, **kw)
     return buf.getvalue()
 
-
-def write_tar(path, samples: list[tuple[str, dict[str, bytes]]]) -> str:
-    with tarfile.open(path, "w") as tf:
-        for key, members in samples:
-            for ext, data in members.items():
-                ti = tarfile.TarInfo(f"{key}.{ext}")
-                ti.size = len(data)
-                tf.addfile(ti, io.BytesIO(data))
-    return str(path)
 
 
 def js(**kw) -> bytes:

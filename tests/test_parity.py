@@ -15,7 +15,8 @@ from mmrl.config import load_config
 from mmrl.controller.loop import Runtime, build_step_inputs, start_runtime
 from mmrl.rollout.agent_loops import RolloutContext, single_turn
 from mmrl.rollout.types import SamplingConfig
-from mmrl.trainer.batch import TrainSequence, split_even
+from mmrl.trainer.batch import TrainSequence
+from mmrl.utils import split_even
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -29,7 +29,8 @@ from mmrl.rewards.workers import RewardPool
 from mmrl.rollout.agent_loops import RolloutContext
 from mmrl.rollout.engine import RolloutEngine, engine_kwargs
 from mmrl.rollout.types import SamplingConfig, Trajectory
-from mmrl.trainer.batch import TrainSequence, split_even
+from mmrl.trainer.batch import TrainSequence
+from mmrl.utils import split_even
 from mmrl.trainer.worker import StepInputs, TrainerSpec, make_trainer_actors
 from mmrl.utils.env import apply_env, cleanup_shm, engine_env, resolve_device, rpc_dir
 from mmrl.utils.timing import StepSpans
@@ -118,7 +119,7 @@ def start_runtime(cfg: Config) -> Runtime:
                    sampling=sampling, engines=engines, trainers=trainers)
 
 
-def _prompts(processor: Any, samples: list[Sample], rejected: dict[str, int],
+def _prompts(processor: Any, samples: list[Sample], rejected: set[str],
              ledger: Any = None) -> list[tuple[Sample, ProcessedPrompt]]:
     """Process samples; a rejected prompt is skipped, counted, and (for the training stream)
     written to the quarantine report like any other bad sample."""
@@ -127,7 +128,7 @@ def _prompts(processor: Any, samples: list[Sample], rejected: dict[str, int],
         try:
             out.append((s, processor(s)))
         except PromptRejected as e:
-            rejected[s.key] = 1
+            rejected.add(s.key)
             if ledger is not None:
                 ledger.record_bad(BadSample("prompt_rejected", s.key, s.source, str(e)), already_counted=True)
     return out
@@ -234,7 +235,7 @@ def train(cfg: Config) -> dict[str, Any]:
     rt = start_runtime(cfg)
     advantage_fn = registry.resolve("advantage", cfg.algorithm.advantage)
     agent_loop = registry.resolve("agent_loop", cfg.rollout.agent_loop)
-    rejected: dict[str, int] = {}  # key -> 1, for prompts the processor refused
+    rejected: set[str] = set()  # keys of prompts the processor refused
     heldout: list[tuple[Sample, ProcessedPrompt]] = []
     decode = DecodeOptions(**{**vars(cfg.data.decode), "decoders": tuple(cfg.data.decode.decoders)})
     if cfg.data.heldout_shards:

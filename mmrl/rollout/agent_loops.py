@@ -14,6 +14,7 @@ import ray
 from mmrl.processors.base import ProcessedPrompt
 from mmrl.registry import register
 from mmrl.rollout.types import SamplingConfig, Trajectory
+from mmrl.utils import split_even
 
 
 @dataclass
@@ -23,24 +24,14 @@ class RolloutContext:
     weight_version: int
 
 
-def _split(n_items: int, n_parts: int) -> list[tuple[int, int]]:
-    """Contiguous, near-equal slices: one per engine."""
-    base, extra = divmod(n_items, n_parts)
-    bounds, start = [], 0
-    for i in range(n_parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
 
 @register("agent_loop", "single_turn")
 def single_turn(ctx: RolloutContext, prompts: Sequence[ProcessedPrompt]) -> list[list[Trajectory]]:
     """One generation per prompt: `sampling.n` responses each, prompts spread over the engines."""
     t0 = time.time()
-    slices = [(a, b) for a, b in _split(len(prompts), len(ctx.engines)) if b > a]
-    futures = [engine.generate.remote([p.vllm_input for p in prompts[a:b]], ctx.sampling)
-               for engine, (a, b) in zip(ctx.engines, slices)]
+    chunks = split_even(prompts, len(ctx.engines))
+    futures = [engine.generate.remote([p.vllm_input for p in chunk], ctx.sampling)
+               for engine, chunk in zip(ctx.engines, chunks) if chunk]
     groups = [g for chunk in ray.get(futures) for g in chunk]
     seconds = time.time() - t0
     out: list[list[Trajectory]] = []

@@ -14,6 +14,7 @@ import torch
 
 from mmrl.algorithms.losses import entropy_from_logprobs
 from mmrl.processors.base import ProcessedPrompt
+from mmrl.utils import split_even
 
 
 @dataclass
@@ -88,16 +89,6 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
                       advantages_B=torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
                       logits_to_keep=torch.arange(P - 1, P + T - 1))
 
-
-def split_even(items: Sequence, parts: int) -> list[list]:
-    """Contiguous near-equal parts (some may be empty when len(items) < parts)."""
-    base, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append(list(items[start:end]))
-        start = end
-    return out
 
 
 def micro_batches(seqs: Sequence[TrainSequence], num_micro: int) -> list[tuple[list[TrainSequence], bool]]:
