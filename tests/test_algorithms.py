@@ -14,6 +14,9 @@ from mmrl.algorithms import (
     entropy_from_logits,
     grpo,
     ppo_clip,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    reinforce_pp_token,
     rloo,
 )
 from mmrl.registry import resolve
@@ -31,6 +34,8 @@ def test_registered() -> None:
     assert resolve("advantage", "grpo") is grpo
     assert resolve("advantage", "rloo") is rloo
     assert resolve("advantage", "dr_grpo") is dr_grpo
+    assert resolve("advantage", "reinforce_pp_baseline") is reinforce_pp_baseline
+    assert resolve("advantage", "reinforce_pp") is reinforce_pp
     assert resolve("policy_loss", "ppo_clip") is ppo_clip
 
 
@@ -65,6 +70,40 @@ def test_rloo_and_dr_grpo_by_hand() -> None:
     close(dr_grpo(r, eps=0.1), dr_grpo(r))
 
 
+def test_reinforce_pp_baseline_by_hand() -> None:
+    # centred: [.5,-.5,-.5,.5] and [2.25,-.75,-.75,-.75]; one unbiased std over all 8:
+    # Σc² = 4·0.25 + 2.25² + 3·0.75² = 7.75, std = sqrt(7.75/7) = 1.052209
+    # -> 0.5/1.052209 = 0.475191, 2.25/1.052209 = 2.138359, 0.75/1.052209 = 0.712786
+    r = torch.tensor([[1.0, 0, 0, 1], [3, 0, 0, 0]])
+    close(reinforce_pp_baseline(r), [[0.475191, -0.475191, -0.475191, 0.475191],
+                                     [2.138359, -0.712786, -0.712786, -0.712786]])
+    # a constant group adds zeros (and shrinks the batch std): 12 values, std = sqrt(7.75/11) = 0.839372
+    r3 = torch.tensor([[1.0, 0, 0, 1], [3, 0, 0, 0], [2, 2, 2, 2]])
+    close(reinforce_pp_baseline(r3)[:, 0], [0.5 / 0.839372, 2.25 / 0.839372, 0.0])
+    close(reinforce_pp_baseline(torch.ones(2, 3), unknown=1), torch.zeros(2, 3))
+    close(reinforce_pp_baseline(torch.tensor([[4.0]])), [[0.0]])
+
+
+def test_reinforce_pp_by_hand() -> None:
+    # batch baseline: r = [1, 0, 3, 0], mean 1, Σ(r-1)² = 0+1+4+1 = 6, std = sqrt(6/3) = 1.414214
+    close(reinforce_pp(torch.tensor([[1.0, 0.0], [3.0, 0.0]])), [[0.0, -0.707107], [1.414214, -0.707107]])
+    # a constant group is not zeroed: [[2,2],[0,0]] -> mean 1, std sqrt(4/3) = 1.154701 -> ±0.866025
+    close(reinforce_pp(torch.tensor([[2.0, 2.0], [0.0, 0.0]])), [[0.866025] * 2, [-0.866025] * 2])
+
+
+def test_reinforce_pp_token_returns_and_whitening() -> None:
+    # γ = 0.5. row 0 rewards [0, 0, 1] -> returns [0.25, 0.5, 1]; row 1 [0, 2 | pad] -> [1, 2]
+    # valid returns [.25, .5, 1, 1, 2]: mean 0.95, unbiased var 1.8/4 = 0.45, std 0.670820
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    close(reinforce_pp_token(rewards, mask, gamma=0.5), [[-1.043498, -0.670820, 0.074536],
+                                                         [0.074536, 1.565248, 0.0]])
+    # a masked middle token (tool output) passes the return through undiscounted, its reward ignored:
+    # returns [0.5, -, 1] -> mean 0.75, std sqrt(0.125) = 0.353553 -> [-0.707107, 0, 0.707107]
+    out = reinforce_pp_token(torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[1, 0, 1]]), gamma=0.5)
+    close(out, [[-0.707107, 0.0, 0.707107]])
+
+
 # ------------------------------------------------------------------------------- ppo_clip
 
 def _logprobs(ratios, old=-1.0):
@@ -87,6 +126,9 @@ def test_ppo_clip_by_hand() -> None:
     loss.sum().backward()
     # dℓ/dlp = -A·ρ where unclipped, 0 where the clipped branch is active
     close(lp.grad, [[-0.5, -1.0, 0.0], [0.0, 1.0, 1.5]])
+    # one config dict for every loss: unknown keywords are ignored
+    loss2, _ = ppo_clip(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, weights_BT=None, unknown=1)
+    close(loss2.detach(), loss.detach())
 
 
 def test_ppo_clip_asymmetric_clip_higher() -> None:

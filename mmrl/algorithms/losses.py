@@ -5,10 +5,18 @@ that rollout-correction weights can multiply it elementwise and the trainer choo
 it (ALGORITHMS.md section 2). Aggregation is split into a numerator (`aggregate_sum`) and a
 denominator (`aggregate_denominator`) because the trainer reduces over micro-batches and
 data-parallel ranks that must all share one global denominator.
+
+Every policy loss has the signature
+    fn(logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, *, clip_low, clip_high, **kwargs)
+        -> (loss_BT, stats)   with stats["ratio_BT"] and stats["clipped_BT"] (bool) at least,
+and ignores keyword arguments it does not use (the trainer passes one config dict). Losses stay
+pure: rollout-correction weights (mmrl.algorithms.correction) are *not* an argument; the trainer
+multiplies `loss_BT * weights_BT` (detached) before aggregating, as verl does.
+GSPO variants live in gspo.py.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +25,31 @@ from torch import Tensor
 from mmrl.registry import register
 
 __all__ = [
-    "ppo_clip", "aggregate", "aggregate_sum", "aggregate_denominator", "entropy_from_logits", "entropy_from_logprobs",
+    "ppo_clip", "check_loss_inputs", "aggregate", "aggregate_sum", "aggregate_denominator",
+    "entropy_from_logits", "entropy_from_logprobs",
     "AGG_MODES", "ADDITIVE_MODES", "LOG_RATIO_CLAMP",
 ]
 
 # exp() of a log-ratio beyond this overflows in fp32 / is meaningless anyway (verl uses 20 too).
 LOG_RATIO_CLAMP = 20.0
+
+
+def check_loss_inputs(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_B: Tensor,
+                      mask_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """Validate shapes; return (bool valid_BT, advantages broadcast to (B, T) in the logprob dtype).
+
+    Advantages may be one per sequence (B,) or one per token (B, T).
+    """
+    if logprobs_BT.shape != old_logprobs_BT.shape or logprobs_BT.shape != mask_BT.shape:
+        raise ValueError(f"shape mismatch: logprobs {tuple(logprobs_BT.shape)}, old_logprobs "
+                         f"{tuple(old_logprobs_BT.shape)}, mask {tuple(mask_BT.shape)}")
+    valid_BT = mask_BT > 0 if mask_BT.dtype != torch.bool else mask_BT
+    adv = advantages_B.to(logprobs_BT.dtype)
+    adv_BT = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+    if adv_BT.shape[0] != logprobs_BT.shape[0]:
+        raise ValueError(f"advantages {tuple(advantages_B.shape)} do not match logprobs "
+                         f"{tuple(logprobs_BT.shape)}: need (B,) or (B, T)")
+    return valid_BT, adv_BT.expand_as(logprobs_BT)
 
 
 @register("policy_loss", "ppo_clip")
@@ -35,6 +62,7 @@ def ppo_clip(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip_c: float | None = None,
+    **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (verl `vanilla`), optionally with dual-clip, per token.
 
@@ -55,13 +83,7 @@ def ppo_clip(
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1 (verl clip_ratio_c, usually 3.0); got {dual_clip_c}")
-    if logprobs_BT.shape != old_logprobs_BT.shape or logprobs_BT.shape != mask_BT.shape:
-        raise ValueError(f"shape mismatch: logprobs {tuple(logprobs_BT.shape)}, old_logprobs "
-                         f"{tuple(old_logprobs_BT.shape)}, mask {tuple(mask_BT.shape)}")
-    valid_BT = mask_BT > 0 if mask_BT.dtype != torch.bool else mask_BT
-    adv = advantages_B.to(logprobs_BT.dtype)
-    adv_BT = adv.unsqueeze(-1) if adv.dim() == 1 else adv
-    adv_BT = adv_BT.expand_as(logprobs_BT)
+    valid_BT, adv_BT = check_loss_inputs(logprobs_BT, old_logprobs_BT, advantages_B, mask_BT)
 
     # torch.where before exp(): masked garbage must not reach the backward pass as nan.
     log_ratio_BT = torch.where(valid_BT, logprobs_BT - old_logprobs_BT.detach(),
