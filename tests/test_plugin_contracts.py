@@ -1,39 +1,70 @@
 """A contract test per plugin kind: every registered plugin of the kind (built-in or not) passes it.
 
 A new plugin needs nothing here unless it takes required keyword arguments; then add example
-arguments to CONTRACT_ARGS.
+arguments to CONTRACT_ARGS (MODEL_ARGS for a reward that needs a locally built model).
 """
 from __future__ import annotations
 
 import inspect
 import math
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
 from mmrl import registry
 from mmrl.processors.base import ProcessedPrompt
-from mmrl.rewards.base import call_reward, reward_kwargs
+from mmrl.rewards.base import RewardSet, call_reward, reward_kwargs
+from mmrl.rewards.scorer import GroupScorer
 
 CONTRACT_ARGS: dict[tuple[str, str], dict] = {
     ("reward", "first_word_in"): {"words": ["red", "green"]},
     ("reward", "dapo_overlong"): {"max_length": 4, "cache_length": 2},
 }
+# Rewards that need a model: the fixture that builds one locally, and the args that name it.
+MODEL_ARGS: dict[str, tuple[str, Callable[[Path], dict]]] = {
+    "clip_score": ("tiny_clip_dir", lambda d: {"model": str(d)}),
+    "vlm_judge": ("tiny_model_dir", lambda d: {"model": str(d), "max_new_tokens": 8,
+                                               "engine_args": {"max_model_len": 2048}}),
+}
+SLOW_REWARDS = {"vlm_judge"}  # starts a vLLM engine in the test process
 
 
 def _names(kind: str) -> list[str]:
     return [e.name for e in registry.entries(kind) if e.origin == "builtin" or "decorator" in e.origin]
 
 
-@pytest.mark.parametrize("name", _names("reward"))
-def test_reward_contract(name: str, colors_samples: list) -> None:
+@pytest.fixture(scope="module")
+def tiny_clip_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mmrl.models.tiny_clip import build_tiny_clip
+
+    return build_tiny_clip(tmp_path_factory.mktemp("clip") / "tiny-clip")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_REWARDS else n
+                                  for n in _names("reward")])
+def test_reward_contract(name: str, colors_samples: list, request: pytest.FixtureRequest) -> None:
     fn = registry.resolve("reward", name)
     args = CONTRACT_ARGS.get(("reward", name), {})
+    if name in MODEL_ARGS:
+        fixture, make_args = MODEL_ARGS[name]
+        args = {**args, **make_args(request.getfixturevalue(fixture))}
     sample = colors_samples[0]
-    for response in ["", "red", sample.answer, "@@##!!", "blue " * 20000]:
+    responses = ["", "red", sample.answer, "@@##!!", "blue " * 20000]
+    for response in responses:
         scores = call_reward(fn, **reward_kwargs(sample, response, [1, 2, 3]), **args)
         assert "score" in scores and all(math.isfinite(v) for v in scores.values()), (name, response, scores)
+    # the same responses as one group, the way the reward workers call it (batched: one call)
+    group = GroupScorer(RewardSet([{"name": name, "args": args}]), timeout_s=None).score_group(
+        sample, responses, [[1, 2, 3]] * len(responses))
+    assert not group["failures"], (name, group["failures"])
+    assert all(math.isfinite(v) for s in group["scores"] for v in s.values())
+
+
+# Estimators whose baseline is the batch, not the prompt's group (REINFORCE++): a constant group
+# gets one shared, possibly nonzero advantage instead of zero.
+BATCH_BASELINE_ADVANTAGES = {"reinforce_pp"}
 
 
 @pytest.mark.parametrize("name", _names("advantage"))
@@ -42,9 +73,14 @@ def test_advantage_contract(name: str) -> None:
     rewards_BG = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [0.0, 2.0, 1.0, 3.0]])
     adv = fn(rewards_BG)
     assert adv.shape == rewards_BG.shape and torch.isfinite(adv).all()
-    assert torch.allclose(adv[1], torch.zeros(4)), "a constant-reward group carries no signal"
+    if name in BATCH_BASELINE_ADVANTAGES:
+        assert torch.allclose(adv[1], adv[1, :1].expand(4)), "no signal within a constant-reward group"
+    else:
+        assert torch.allclose(adv[1], torch.zeros(4)), "a constant-reward group carries no signal"
     assert torch.allclose(fn(rewards_BG + 7.0), adv, atol=1e-5), "advantages are shift-invariant"
     assert (adv[0, 0] > adv[0, 1]) and (adv[2, 3] > adv[2, 0]), "higher reward, higher advantage"
+    # the trainer passes one config dict to whichever estimator is selected
+    assert torch.allclose(fn(rewards_BG, norm_by_std=True, eps=1e-6, unknown_option=1), adv)
 
 
 @pytest.mark.parametrize("name", _names("policy_loss"))
@@ -55,7 +91,11 @@ def test_policy_loss_contract(name: str) -> None:
     old_BT = logprobs_BT.detach() + 0.05 * torch.randn(3, 5)
     mask_BT = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float32)
     loss_BT, stats = fn(logprobs_BT, old_BT, torch.tensor([1.0, -0.5, 2.0]), mask_BT)
-    assert loss_BT.shape == (3, 5) and "clipped_BT" in stats
+    assert loss_BT.shape == (3, 5) and "clipped_BT" in stats and "ratio_BT" in stats
+    assert stats["clipped_BT"].dtype == torch.bool and stats["ratio_BT"].shape == (3, 5)
+    # the trainer passes one dict: the clip keywords plus options other losses use
+    fn(logprobs_BT, old_BT, torch.tensor([1.0, -0.5, 2.0]), mask_BT, clip_low=0.2, clip_high=0.28,
+       dual_clip_c=3.0, unknown_option=1)
     assert torch.all(loss_BT[mask_BT == 0] == 0), "masked tokens carry no loss"
     (loss_BT * mask_BT).sum().backward()
     assert torch.isfinite(logprobs_BT.grad).all() and logprobs_BT.grad.abs().sum() > 0
@@ -63,9 +103,50 @@ def test_policy_loss_contract(name: str) -> None:
 
 @pytest.mark.parametrize("name", _names("agent_loop"))
 def test_agent_loop_signature(name: str) -> None:
-    # Called as loop(ctx, prompts); the real engine run is in tests/test_parity.py.
+    # Called as loop(ctx, prompts); the real engine run is test_agent_loop_contract below.
     params = list(inspect.signature(registry.resolve("agent_loop", name)).parameters)
     assert len(params) >= 2
+
+
+@pytest.fixture(scope="module")
+def engine_and_prompts(tiny_model_dir: Path, colors_samples: list, tmp_path_factory: pytest.TempPathFactory):
+    from _engine import tiny_engine
+
+    with tiny_engine(tiny_model_dir, tmp_path_factory.mktemp("agent_loop_run")) as eng:
+        yield eng, [eng["processor"](s) for s in colors_samples[:6]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _names("agent_loop"))
+def test_agent_loop_contract(name: str, engine_and_prompts) -> None:
+    """One group per prompt, in order; groups reported through ctx.report at most once each and
+    only in their final form (the controller scores them while the rollout goes on)."""
+    from mmrl.rollout.agent_loops import RolloutContext
+    from mmrl.rollout.types import SamplingConfig
+
+    eng, prompts = engine_and_prompts
+    loop = registry.resolve("agent_loop", name)
+    sampling = SamplingConfig(n=2, max_new_tokens=4, forbidden_token_ids=eng["forbidden"])
+    reported: dict[int, list[list[int]]] = {}
+
+    def on_groups(indices: list[int], groups: list) -> None:
+        assert len(indices) == len(groups)
+        for i, g in zip(indices, groups):
+            assert i not in reported, f"group {i} reported twice"
+            reported[i] = [list(t.response_ids) for t in g]
+
+    for chunks in (1, 3):
+        reported.clear()
+        ctx = RolloutContext([eng["engine"]], sampling, 7, on_groups=on_groups, chunks_per_engine=chunks)
+        groups = loop(ctx, prompts)
+        assert len(groups) == len(prompts)
+        for i, g in enumerate(groups):
+            assert len(g) == 2 and all(t.prompt_index == i and t.weight_version == 7 for t in g)
+            assert all(len(t.behaviour_logprobs) == len(t.response_ids) == len(t.loss_mask) for t in g)
+            if i in reported:
+                assert reported[i] == [list(t.response_ids) for t in g], "reported group changed afterwards"
+    # without a listener (evaluation) the loop works the same
+    assert len(loop(RolloutContext([eng["engine"]], sampling, 7), prompts[:2])) == 2
 
 
 @pytest.mark.parametrize("name", _names("processor"))

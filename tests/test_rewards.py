@@ -117,11 +117,16 @@ def test_call_reward_missing_parameter_and_async() -> None:
     with pytest.raises(RewardError, match=r"needs_boxes.*boxes"):
         call_reward(needs_boxes, **reward_kwargs(make_sample(), "r", []))
 
-    async def slow(response):
+    async def slow(response):  # awaited: async rewards are a supported variant
         return 1.0
 
-    with pytest.raises(RewardError, match="async"):
-        call_reward(slow, response="r")
+    assert call_reward(slow, response="r") == {"score": 1.0}
+
+    async def later(response):
+        return 1.0
+
+    with pytest.raises(RewardError, match="async def"):  # an awaitable from a plain function
+        call_reward(lambda response: later(response), response="r")
 
 
 # ------------------------------------------------------------------------------- answer_match

@@ -1,4 +1,4 @@
-"""The reward calling convention.
+"""The reward calling convention and `RewardSet`.
 
 A reward is a plain callable that takes keyword arguments and asks only for what it needs:
 
@@ -6,7 +6,9 @@ A reward is a plain callable that takes keyword arguments and asks only for what
 
 Keywords on offer (see `reward_kwargs`): response (str), response_ids (list[int]), answer,
 images (list of PIL images), videos, prompt (the prompt text), messages, sample (the Sample),
-metadata (dict). Extra keyword arguments come from the config entry's `args`.
+metadata (dict). Extra keyword arguments come from the config entry's `args`. It may also be
+`async def`, or declared `@reward(batched=True)` to score many responses per call
+(`variants.py`); `calling.py` calls every variant and normalises the results.
 
 A reward returns a float, or a dict with a "score" key plus other numeric components (logged as
 metrics). `call_reward` normalises both to dict[str, float]; `RewardSet` combines several
@@ -14,133 +16,18 @@ weighted rewards and pickles by spec so it can be shipped to Ray reward workers.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import math
-import numbers
 import os
 from typing import Any, Callable, Iterable, Mapping
 
 from mmrl.data.sample import Sample
 from mmrl.registry import resolve
+from mmrl.rewards.calling import (AVAILABLE_KEYS, RewardError, _fn_name, _params, _to_float, call_reward,
+                                  call_single)
+from mmrl.rewards.variants import RewardTraits, reward, traits_of
 
-__all__ = ["RewardError", "AVAILABLE_KEYS", "call_reward", "reward_kwargs", "RewardSet"]
-
-AVAILABLE_KEYS = ("response", "response_ids", "answer", "images", "videos", "prompt", "messages",
-                  "sample", "metadata")
-
-
-class RewardError(RuntimeError):
-    """A reward plugin was called wrongly or returned something unusable; names the plugin."""
-
-
-def _fn_name(fn: Any) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", repr(fn))
-    module = getattr(fn, "__module__", None)
-    return f"{module}.{name}" if module else str(name)
-
-
-@functools.lru_cache(maxsize=512)
-def _signature_info(fn: Any) -> tuple[bool, frozenset[str], frozenset[str]]:
-    """(takes **kwargs, keyword-passable parameter names, required ones). Cached: hot path."""
-    sig = inspect.signature(fn)
-    var_kw = False
-    names: set[str] = set()
-    required: set[str] = set()
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            var_kw = True
-        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            names.add(p.name)
-            if p.default is p.empty:
-                required.add(p.name)
-        elif p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
-            required.add(p.name)  # can never be satisfied by keyword: reported as missing
-    return var_kw, frozenset(names), frozenset(required)
-
-
-def _params(fn: Any, label: str) -> tuple[bool, frozenset[str], frozenset[str]]:
-    try:
-        return _signature_info(fn)
-    except TypeError:  # unhashable callable: skip the cache
-        return _signature_info.__wrapped__(fn)
-    except ValueError as e:  # builtins without a signature
-        raise RewardError(f"reward {label!r}: cannot inspect its signature ({e}); wrap it in a "
-                          f"Python function that takes keyword arguments") from e
-
-
-def _to_float(x: Any) -> float | None:
-    """A plain float from Python/numpy/torch scalars (bool included); None if not a number."""
-    if isinstance(x, (str, bytes)):
-        return None
-    if isinstance(x, numbers.Real):
-        return float(x)
-    item = getattr(x, "item", None)
-    if callable(item) and getattr(x, "ndim", 0) == 0:  # numpy/torch 0-d
-        try:
-            v = item()
-        except Exception:
-            return None
-        return float(v) if isinstance(v, numbers.Real) else None
-    return None
-
-
-def _normalise(result: Any, label: str) -> dict[str, float]:
-    if isinstance(result, Mapping):
-        if "score" not in result:
-            raise RewardError(f"reward {label!r} returned a dict without a 'score' key "
-                              f"(keys: {sorted(map(str, result))}); return a float or "
-                              f"{{'score': float, ...components}}")
-        out: dict[str, float] = {}
-        for k, v in result.items():
-            f = _to_float(v)
-            if f is None:
-                if k == "score":
-                    raise RewardError(f"reward {label!r} returned a non-numeric 'score': {v!r}")
-                continue  # non-numeric extras (e.g. a reason string) are not metrics
-            if not math.isfinite(f):
-                raise RewardError(f"reward {label!r} returned a non-finite {k!r}: {f}")
-            out[str(k)] = f
-        return out
-    f = _to_float(result)
-    if f is None:
-        if inspect.isawaitable(result):
-            close = getattr(result, "close", None)
-            if callable(close):
-                close()
-            raise RewardError(f"reward {label!r} is async; it returned an awaitable, not a number. "
-                              f"Use a synchronous function here.")
-        raise RewardError(f"reward {label!r} returned {type(result).__name__} {_short(result)}; "
-                          f"it must return a float or a dict with a 'score' key")
-    if not math.isfinite(f):
-        raise RewardError(f"reward {label!r} returned a non-finite score: {f}")
-    return {"score": f}
-
-
-def _short(x: Any, n: int = 80) -> str:
-    s = repr(x)
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def _call(fn: Callable[..., Any], available: Mapping[str, Any], label: str) -> dict[str, float]:
-    var_kw, names, required = _params(fn, label)
-    kwargs = dict(available) if var_kw else {k: v for k, v in available.items() if k in names}
-    missing = sorted(required - kwargs.keys())
-    if missing:
-        raise RewardError(f"reward {label!r} requires {missing}, which is not available; rewards "
-                          f"may ask for: {', '.join(AVAILABLE_KEYS)} (plus the entry's args: "
-                          f"{', '.join(sorted(set(available) - set(AVAILABLE_KEYS))) or 'none'})")
-    return _normalise(fn(**kwargs), label)
-
-
-def call_reward(fn: Callable[..., Any], /, **available: Any) -> dict[str, float]:
-    """Call `fn` with only the keywords it declares (all if it takes **kwargs); return a dict.
-
-    The result is {"score": x, ...numeric components}. Raises RewardError, naming the plugin, for a
-    missing required parameter, a non-numeric result, a dict without "score", or a non-finite value.
-    Exceptions raised inside the reward propagate unchanged (the reward worker reports them).
-    """
-    return _call(fn, available, _fn_name(fn))
+__all__ = ["RewardError", "AVAILABLE_KEYS", "call_reward", "reward_kwargs", "RewardSet", "reward",
+           "RewardTraits", "traits_of"]
 
 
 def reward_kwargs(sample: Sample, response: str, response_ids: Iterable[int] | None = None) -> dict[str, Any]:
@@ -240,6 +127,18 @@ class RewardSet:
             self._fns = [resolve("reward", e["spec"]) for e in self.entries]
         return self._fns
 
+    def setup(self) -> None:
+        """Run each reward's `setup` hook (e.g. load its model) once in this process, with the
+        entry's args it declares. Rewards without one are untouched."""
+        if getattr(self, "_set_up", False):
+            return
+        for e, fn in zip(self.entries, self.functions()):
+            hook = traits_of(fn).setup
+            if hook is not None:
+                var_kw, names, _ = _params(hook, e["label"])
+                hook(**{k: v for k, v in e["args"].items() if var_kw or k in names})
+        self._set_up = True
+
     @property
     def names(self) -> list[str]:
         return [e["label"] for e in self.entries]
@@ -249,7 +148,7 @@ class RewardSet:
         available = reward_kwargs(sample, response, response_ids)
         out: dict[str, float] = {"score": 0.0}
         for e, fn in zip(self.entries, self.functions()):
-            result = _call(fn, {**available, **e["args"]}, e["label"])
+            result = call_single(fn, {**available, **e["args"]}, e["label"])
             out["score"] += e["weight"] * result["score"]
             for k, v in result.items():
                 out[f"{e['label']}/{k}"] = v
@@ -262,6 +161,7 @@ class RewardSet:
         # Resolved functions from user files cannot be pickled by reference; ship the specs.
         state = self.__dict__.copy()
         state["_fns"] = None
+        state["_set_up"] = False  # models are loaded again in the receiving process
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

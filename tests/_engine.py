@@ -1,0 +1,38 @@
+"""A real rollout engine (vLLM in a Ray actor, the tiny VLM) for tests that drive agent loops
+without the trainer: Ray, the engine actor, and processed colour prompts."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+
+
+@contextmanager
+def tiny_engine(model_dir: Path, run_dir: Path) -> Iterator[dict[str, Any]]:
+    """Start Ray (2 CPUs) and one RolloutEngine actor; yield {"engine", "processor", "forbidden"}."""
+    from mmrl.processors import build_processor
+    from mmrl.rollout.engine import RolloutEngine, engine_kwargs
+    from mmrl.utils.env import engine_env
+
+    env = engine_env(run_dir, "cpu", {"VLLM_LOGGING_LEVEL": "WARNING"})
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    engine = None
+    try:
+        kwargs = engine_kwargs(str(model_dir), "float32", 0, {"max_model_len": 512, "enforce_eager": True,
+                                                              "limit_mm_per_prompt": {"image": 1, "video": 0}})
+        engine = RolloutEngine.as_actor({"num_cpus": 1}, kwargs, env)
+        ray.get(engine.ready.remote(), timeout=600)
+        processor = build_processor("auto", str(model_dir))
+        yield {"engine": engine, "processor": processor, "forbidden": processor.forbidden_token_ids}
+    finally:
+        if engine is not None:
+            try:
+                ray.get(engine.shutdown.remote(), timeout=60)
+            except Exception:  # still kill it below
+                pass
+            ray.kill(engine)
+        ray.shutdown()
