@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/data_pipeline.py [--workers 2] [--images 1024] [--videos 96]
 
-The bound: the same decoders (mmrl.data.decode.decode_sample) on the same number of worker
-processes, fed raw sample bytes already in memory: no tar reading, no shuffle buffer, no queue
+The bound (mmrl.profiling.decode_bound, also used by `mmrl profile-data`): the same decoders
+(mmrl.data.decode.decode_sample) on the same number of worker processes, fed raw sample bytes
+already in memory: no tar reading, no shuffle buffer, no queue
 between processes beyond handing back a count. The loader: ShardStream over the tar shards with
 `--workers` DataLoader workers, one epoch, everything delivered to the main process as Samples.
 Ratio = loader samples/s / bound samples/s (goal >= 0.9). Results go to
@@ -13,39 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _raw_samples(pattern: list[str]) -> list[dict[str, Any]]:
-    from mmrl.data.shards import expand_urls, read_shard
-
-    return [raw for url in expand_urls(pattern) for raw in read_shard(url) if isinstance(raw, dict)]
-
-
-def _decode_chunk(raws: list[dict[str, Any]]) -> int:
-    from mmrl.data.decode import DecodeOptions, decode_sample
-
-    options = DecodeOptions()
-    for raw in raws:
-        decode_sample(raw, options)
-    return len(raws)
-
-
 def decode_bound(pattern: list[str], workers: int) -> float:
-    """Samples/s of decode alone on `workers` processes (raw bytes pre-loaded and pre-split)."""
-    raws = _raw_samples(pattern)
-    chunks = [raws[i::workers] for i in range(workers)]
-    with mp.get_context("fork").Pool(workers) as pool:
-        pool.map(_decode_chunk, [c[:2] for c in chunks])  # warm imports in the workers
-        t0 = time.perf_counter()
-        n = sum(pool.map(_decode_chunk, chunks))
-        return n / (time.perf_counter() - t0)
+    """Samples/s of decode alone on `workers` processes (raw bytes pre-loaded and pre-split);
+    the logic lives in mmrl.profiling.decode_bound, shared with `mmrl profile-data`."""
+    from mmrl.profiling.decode_bound import decode_bound as bound, read_raw_samples
+
+    return bound(read_raw_samples(pattern), workers)
 
 
 def loader_rate(pattern: list[str], workers: int) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -162,8 +163,8 @@ def _count_placeholders(messages: list[dict[str, Any]], kind: str) -> int:
 class _SampleDecoder:
     """The steps of `decode_sample` for one raw sample, each raising BadSampleError(reason)."""
 
-    def __init__(self, raw: dict[str, Any], options: DecodeOptions):
-        self.raw, self.options = raw, options
+    def __init__(self, raw: dict[str, Any], options: DecodeOptions, timings: dict[str, Any] | None = None):
+        self.raw, self.options, self.timings = raw, options, timings
         self.key = str(raw.get("__key__", "?"))
         self.url = str(raw.get("__url__", ""))
         self.members = sorted(k for k in raw if not k.startswith("__"))
@@ -253,31 +254,49 @@ class _SampleDecoder:
     def decode_images(self, names: list[str]) -> list[Image.Image]:
         images = []
         for name in names:
+            start = time.perf_counter() if self.timings is not None else 0.0
             try:
                 images.append(decode_image(self.raw[name], self.options.pixel_limit))
             except BadSampleError as e:
                 raise self.bad(e.reason, f"{name}: {e.detail}") from None
+            if self.timings is not None:
+                width, height = images[-1].size
+                self.timings.setdefault("images", []).append(
+                    {"start": start, "s": time.perf_counter() - start, "bytes": len(self.raw[name]),
+                     "pixels": width * height})
         return images
 
     def decode_videos(self, names: list[str]) -> list[Video]:
         videos = []
         for name in names:
+            start = time.perf_counter() if self.timings is not None else 0.0
             try:
                 videos.append(decode_video(bytes(self.raw[name]), self.options))
             except VideoTooLarge as e:
                 raise self.bad("too_many_pixels", f"{name}: {e}") from None
             except VideoDecodeError as e:
                 raise self.bad("video_timeout" if e.timed_out else "corrupt_video", f"{name}: {e}") from None
+            if self.timings is not None:
+                v = videos[-1]
+                self.timings.setdefault("videos", []).append(
+                    {"start": start, "s": time.perf_counter() - start, "bytes": len(self.raw[name]),
+                     "backend": v.backend, "frames": len(v.frames), "pixels": int(v.frames[0].size // 3),
+                     "total_frames": v.total_num_frames, "source_fps": v.source_fps})
         return videos
 
 
-def decode_sample(raw: dict[str, Any], options: DecodeOptions | None = None) -> Sample:
+def decode_sample(raw: dict[str, Any], options: DecodeOptions | None = None,
+                  timings: dict[str, Any] | None = None) -> Sample:
     """A raw sample (`__key__`, `__url__`, member name -> bytes) -> `Sample`.
 
     The cheap checks (JSON, member names, placeholder counts) come before any pixel is decoded.
     Raises `BadSampleError` whose `reason` is one of `mmrl.data.quarantine.REASONS`.
+
+    `timings` (profiling; mmrl.profiling): a dict that receives "images" / "videos", one entry per
+    decoded medium: {"start", "s" (perf_counter seconds), "bytes", "pixels"}, and for videos also
+    "backend", "frames" (decoded), "total_frames" and "source_fps" (of the source).
     """
-    d = _SampleDecoder(raw, options or DecodeOptions())
+    d = _SampleDecoder(raw, options or DecodeOptions(), timings)
     meta = d.parse_json()
     image_names, video_names = d.media_names(meta, "image"), d.media_names(meta, "video")
     d.check_members(meta, image_names, video_names)

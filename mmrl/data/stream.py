@@ -29,6 +29,7 @@ import hashlib
 import os
 import random
 import sys
+import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -79,23 +80,53 @@ class _EpochPlan:
     shuffle_buffer: int
     skip: list[int]  # per stream: items already delivered before a resume
     options: DecodeOptions
+    profile: bool = False  # wrap each decoded item in a _Timed with its stage timings
 
 
-def _stream_items(plan: _EpochPlan, stream_id: int) -> Iterator[Sample | BadSample]:
-    raw: Iterable[Any] = (item for url in plan.shards[stream_id::plan.num_streams] for item in read_shard(url))
+class _Timed:
+    """Profiling only: an item on its way to the main process with its per-stage timings (read,
+    decode, per image/video; see mmrl.profiling). Counted by the merge like the bare item."""
+    __slots__ = ("item", "record")
+
+    def __init__(self, item: Any, record: dict[str, Any]):
+        self.item, self.record = item, record
+
+
+def _stream_items(plan: _EpochPlan, stream_id: int) -> Iterator[Sample | BadSample | _Timed]:
+    urls = plan.shards[stream_id::plan.num_streams]
+    raw: Iterable[Any] = (item for url in urls for item in
+                          (read_shard(url, profile=True) if plan.profile else read_shard(url)))
     if plan.shuffle_buffer > 1:
         rng = random.Random(_mix(plan.seed, plan.epoch, plan.rank, stream_id, 0x5A))
         raw = _shuffled(raw, plan.shuffle_buffer, rng)
     skip = plan.skip[stream_id]
+    pid = os.getpid()
     for position, item in enumerate(raw):
         if position < skip:
             continue  # delivered before the restart: drop the raw bytes, never decode them
-        yield item if isinstance(item, BadSample) else _decode_or_bad(item, plan.options)
+        if isinstance(item, BadSample):
+            yield item
+        elif plan.profile:
+            yield _decode_timed(item, plan.options, stream_id, pid)
+        else:
+            yield _decode_or_bad(item, plan.options)
 
 
-def _decode_or_bad(raw: dict[str, Any], options: DecodeOptions) -> Sample | BadSample:
+def _decode_timed(raw: dict[str, Any], options: DecodeOptions, stream_id: int, pid: int) -> _Timed:
+    record: dict[str, Any] = raw.pop("__profile__", None) or {}
+    record["key"], record["worker"], record["pid"] = str(raw.get("__key__", "?")), stream_id, pid
+    start = time.perf_counter()
+    item = _decode_or_bad(raw, options, record)
+    record["decode_start"], record["decode_s"] = start, time.perf_counter() - start
+    if isinstance(item, BadSample):
+        record["bad"] = item.reason
+    return _Timed(item, record)
+
+
+def _decode_or_bad(raw: dict[str, Any], options: DecodeOptions,
+                   timings: dict[str, Any] | None = None) -> Sample | BadSample:
     try:
-        return decode_sample(raw, options)
+        return decode_sample(raw, options) if timings is None else decode_sample(raw, options, timings)
     except BadSampleError as e:
         return BadSample.from_error(e)
     except Exception as e:  # a bug or an exotic input: still never fatal, but visible
@@ -112,16 +143,18 @@ def _to_shared(item: Any) -> Any:
     instead of pickling tens of MB through a pipe. `_from_shared` turns them back into numpy.
     (Images stay PIL: for images of a few hundred kB, a shared-memory segment per image measured
     slower than pickling them, benchmarks/data_pipeline.py.)"""
-    if isinstance(item, Sample) and item.videos:
+    sample = item.item if type(item) is _Timed else item
+    if isinstance(sample, Sample) and sample.videos:
         import torch
-        for video in item.videos:
+        for video in sample.videos:
             video.frames = torch.from_numpy(video.frames)
     return item
 
 
 def _from_shared(item: Any) -> Any:
-    if isinstance(item, Sample):
-        for video in item.videos:
+    sample = item.item if type(item) is _Timed else item
+    if isinstance(sample, Sample):
+        for video in sample.videos:
             if not hasattr(video.frames, "__array_interface__"):
                 video.frames = video.frames.numpy()
     return item
@@ -146,11 +179,20 @@ def _iterate_epoch_source(plan: _EpochPlan) -> Iterator[tuple[int, Any]]:
     for item in _stream_items(plan, info.id):
         chunk.append(_to_shared(item))  # shared memory only across processes
         if len(chunk) == WORKER_CHUNK:
-            yield info.id, chunk
+            yield info.id, _stamp_sent(chunk) if plan.profile else chunk
             chunk = []
     if chunk:
-        yield info.id, chunk
+        yield info.id, _stamp_sent(chunk) if plan.profile else chunk
     yield info.id, _StreamEnd()
+
+
+def _stamp_sent(chunk: list[Any]) -> list[Any]:
+    """Profiling: when each item left its worker (items wait in the chunk until it is full)."""
+    now = time.perf_counter()
+    for item in chunk:
+        if type(item) is _Timed:
+            item.record["sent"] = now
+    return chunk
 
 
 def __getattr__(name: str) -> Any:
@@ -256,6 +298,9 @@ class ShardStream:
             checked once min_samples_for_ratio samples have been read.
         resume: a `state_dict()` to continue from (same urls, seed, shuffle and worker layout).
         mp_context: DataLoader multiprocessing context ("fork", "spawn", "forkserver"; None = default).
+        profile: time every stage in the workers (shard open/read, image and video decode) and
+            append one record per item read to `profile_records` (drain it as you go; see
+            mmrl.profiling.data_profile). Off: no timing code runs.
 
     Bad samples are dropped and counted in `bad_counts` (reason -> count); the last few are in
     `bad_examples`. The order is a function of the arguments alone (any num_workers).
@@ -266,7 +311,7 @@ class ShardStream:
                  rank: int = 0, world_size: int = 1, shuffle_shards: bool | None = None,
                  decode: DecodeOptions | None = None, quarantine_path: str | os.PathLike | None = None,
                  max_bad_ratio: float | None = 0.05, min_samples_for_ratio: int = 1000,
-                 resume: dict[str, Any] | None = None, mp_context: str | None = None):
+                 resume: dict[str, Any] | None = None, mp_context: str | None = None, profile: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         if shuffle_buffer < 0 or num_workers < 0:
@@ -281,6 +326,8 @@ class ShardStream:
         self.shuffle_shards = (shuffle_buffer > 0 or epochs is None) if shuffle_shards is None else shuffle_shards
         self.decode = decode or DecodeOptions()
         self.mp_context = mp_context
+        self.profile = profile
+        self.profile_records: list[dict[str, Any]] = []  # filled only when profile=True
         self.quarantine = QuarantineLedger(quarantine_path, max_bad_ratio, min_samples_for_ratio, rank)
         self.num_streams = max(1, num_workers)
         self._start = _Cursor(epoch=0, consumed=[0] * self.num_streams)
@@ -327,7 +374,7 @@ class ShardStream:
 
     def _epoch_items(self, cursor: _Cursor) -> Iterator[Sample | BadSample]:
         plan = _EpochPlan(self.epoch_shards(cursor.epoch), self.num_streams, cursor.epoch, self.seed,
-                          self.rank, self.shuffle_buffer, list(cursor.consumed), self.decode)
+                          self.rank, self.shuffle_buffer, list(cursor.consumed), self.decode, self.profile)
         if self.num_workers == 0:
             yield from _merge(_iterate_epoch_source(plan), cursor)
             return
@@ -355,6 +402,10 @@ class ShardStream:
         cursor = self._live = copy.deepcopy(self._start)
         while self.epochs is None or cursor.epoch < self.epochs:
             for item in self._epoch_items(cursor):
+                if type(item) is _Timed:
+                    item.record["delivered"] = time.perf_counter()
+                    self.profile_records.append(item.record)
+                    item = item.item
                 if isinstance(item, BadSample):
                     self.quarantine.record_bad(item, cursor.epoch)
                     continue
