@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_seed(seed: int, target: float, budget_s: float, extra: list[str], out_root: Path) -> dict:
     run_dir = out_root / f"seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume from an old checkpoint
     cmd = [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / "colors_demo.yaml"),
            f"run.seed={seed}", f"run.output_dir={run_dir}", f"run.stop_at_heldout_accuracy={target}",
            f"run.time_limit_s={budget_s}", "run.max_steps=1000", "logging.progress_bar=false",

@@ -1,4 +1,4 @@
-"""The `mmrl` command line: train, tiny-model, data build/convert/inspect, plugins list, rewards check."""
+"""The `mmrl` command line: train, report, profile-data, tiny-model, data build/convert/inspect, plugins list, rewards check."""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +36,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     import signal
 
-    from mmrl.controller.loop import train
+    from mmrl.controller.train import train
 
     # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the engines shut down cleanly and
     # release their shared memory.
@@ -45,6 +45,33 @@ def cmd_train(args: argparse.Namespace) -> int:
     curve = summary.pop("heldout_curve", [])
     print("held-out accuracy by step: " + ", ".join(f"{s}:{a:.3f}" for s, a, _ in curve))
     print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mmrl.controller.report import ReportError, write_report
+
+    try:
+        write_report(args.run_dir, Console())
+    except ReportError as e:  # wrapped without splitting the paths it names
+        print("mmrl: error: " + textwrap.fill(str(e), width=100, subsequent_indent="  ", break_on_hyphens=False,
+                                              break_long_words=False), file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mmrl.trainer.export import ExportError, export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
+    except ExportError as e:
+        print("mmrl: error: " + textwrap.fill(str(e), width=100, subsequent_indent="  ", break_on_hyphens=False,
+                                              break_long_words=False), file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {out} (load it with transformers or vllm, or set model.path={out})")
     return 0
 
 
@@ -69,6 +96,25 @@ def _user_value_errors(fn: Any) -> Any:
             print("mmrl: error: " + textwrap.fill(str(e), width=100, subsequent_indent="  "), file=sys.stderr)
             return 2
     return wrapper
+
+
+def _worker_list(text: str) -> list[int]:
+    try:
+        return [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected worker counts like 0,1,2, got {text!r}") from None
+
+
+@_user_value_errors
+def cmd_profile_data(args: argparse.Namespace) -> int:
+    from mmrl.profiling.data_profile import profile_data
+    from mmrl.profiling.output import print_report
+
+    report = profile_data(args.config, args.overrides, samples=args.samples, workers=args.workers,
+                          out_dir=args.out, probe_samples=args.probe_samples, bound=not args.no_bound,
+                          say=lambda m: print(f"[profile-data] {m}", file=sys.stderr, flush=True))
+    print_report(report)
+    return 0
 
 
 @_user_value_errors
@@ -255,6 +301,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the process placement")
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (LoRA merged)")
+    p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N, or a run folder (its newest checkpoint)")
+    p.add_argument("--out", required=True, help="a new folder for the HF model")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the model config's")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="step-time breakdown, throughput and plots of a run (live or finished)",
+                       description="Print where a run's step time goes and write RUN_DIR/report/ "
+                                   "(summary.json, summary.md, PNG plots).")
+    p.add_argument("run_dir", help="the run's output folder (run.output_dir), e.g. runs/colors-demo")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("profile-data", help="time every stage of the config's data path (no training) "
+                                            "and say what to change",
+                       description="Run the config's data path alone (shards -> decode in data.num_workers "
+                                   "workers -> processor -> pickle), time every stage, sweep worker counts, "
+                                   "and write report.json, report.md, trace.json and chart.png (docs/profiling.md).")
+    p.add_argument("config", help="YAML config file, e.g. configs/colors_demo.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.num_workers=2 data.decode.fps=1")
+    p.add_argument("--samples", type=int, default=256, help="measured samples per worker count (default 256)")
+    p.add_argument("--workers", type=_worker_list, default=None,
+                   help="worker counts to sweep, e.g. 0,1,2 (default: 1, data.num_workers and twice it within "
+                        "the cores; data.num_workers is always included)")
+    p.add_argument("--out", default=None, help="output folder (default: profiles/<run.name>)")
+    p.add_argument("--probe-samples", type=int, default=8,
+                   help="samples each proposed change is measured on (default 8)")
+    p.add_argument("--no-bound", action="store_true", help="skip the decode-only bound")
+    p.set_defaults(func=cmd_profile_data)
+
     p = sub.add_parser("tiny-model", help="build a tiny random VLM (tokenizer + processor) locally")
     p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
     p.add_argument("--out", required=True)
@@ -329,9 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         # argparse gives a trailing nargs="*" positional nothing once an option sits between it
         # and the positional before it (`data build NAME --out DIR k=v`): collect those here.
-        if getattr(args, "func", None) is cmd_data_build and all(
-                "=" in e and not e.startswith("-") for e in extra):
-            args.options = list(args.options) + extra
+        trailing = {cmd_data_build: "options", cmd_profile_data: "overrides"}.get(getattr(args, "func", None))
+        if trailing and all("=" in e and not e.startswith("-") for e in extra):
+            setattr(args, trailing, list(getattr(args, trailing)) + extra)
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from mmrl.config.load import ConfigError

@@ -101,3 +101,23 @@ def test_dry_run_prints_config_and_placement(capsys: pytest.CaptureFixture[str],
     assert "group_size: 16" in out and "# placement (device: cpu)" in out
     assert "rollout/0" in out and "trainer/0" in out and "trainer/1" in out
     assert "DeepSpeed ZeRO-3 rank 1/2 (gloo)" in out
+
+
+def test_algorithm_and_stability_keys_are_checked(tmp_path) -> None:
+    import pytest
+
+    from mmrl.config.load import ConfigError, load_config
+
+    def check(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, list(overrides), check_files=False, check_plugins=False)
+        return str(e.value)
+
+    assert "algorithm.kl.estimator" in check("algorithm.kl.estimator=k4")
+    assert "algorithm.ppo_epochs" in check("algorithm.ppo_epochs=0")
+    assert "threshold_low" in check("algorithm.rollout_correction.threshold_low=3.0")
+    assert "checkpoint.every_steps" in check("stability.enabled=true", "checkpoint.every_steps=0")
+    assert "mis" in check("algorithm.rollout_correction.mode=bogus")  # the allowed values are listed
+    cfg = load_config(None, ["algorithm.kl.estimator=k3+", "algorithm.kl.placement=reward"], check_files=False,
+                      check_plugins=False)
+    assert cfg.algorithm.kl.placement.value == "reward"

@@ -1,17 +1,13 @@
-"""Controller pieces that run without engines: prompt rejection into the quarantine report,
-and how a step's trajectories are split over trainer ranks."""
+"""Controller pieces that run without engines: prompt rejection into the quarantine report.
+(How a step's trajectories are split over trainer ranks: tests/test_trainer_plan.py.)"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import torch
-
-from mmrl.controller.loop import _prompts, build_step_inputs
+from mmrl.controller.loop import _prompts
 from mmrl.data.quarantine import QuarantineLedger
 from mmrl.processors import build_processor
-from mmrl.rollout.types import Trajectory
-from mmrl.trainer.batch import micro_batches
 
 
 def test_rejected_prompt_goes_to_the_quarantine_report(tiny_model_dir: Path, colors_samples: list,
@@ -26,22 +22,16 @@ def test_rejected_prompt_goes_to_the_quarantine_report(tiny_model_dir: Path, col
     assert all("max_prompt_tokens=10" in r["detail"] for r in rows)
 
 
-def test_step_inputs_split_evenly_with_one_global_denominator(tiny_model_dir: Path, colors_samples: list) -> None:
-    proc = build_processor("qwen_vl", str(tiny_model_dir))
-    prompts = [proc(s) for s in colors_samples[:3]]
-    lengths = [[1, 2, 3], [3, 3, 1], [2, 2, 2]]  # 3 prompts x group 3
-    groups = [[Trajectory(i, [5] * n, [-1.0] * n, [1] * n, "", "stop", 0) for n in row] for i, row in enumerate(lengths)]
-    adv = torch.arange(9, dtype=torch.float32).view(3, 3)
-    inputs = build_step_inputs(prompts, groups, adv, world_size=2, micro_batch_size=2, loss_agg="token_mean")
-    assert [len(x.sequences) for x in inputs] == [5, 4]
-    assert {x.num_micro_batches for x in inputs} == {3}  # ceil(5 / 2) on every rank
-    assert all(x.loss_denominator == 19.0 for x in inputs)  # all response tokens of the step
-    assert [s.advantage for x in inputs for s in x.sequences] == list(range(9))
-    seq_mean = build_step_inputs(prompts, groups, adv, 2, 2, "seq_mean_token_mean")
-    assert seq_mean[0].loss_denominator == 9.0  # sequences, not tokens
-    # the rank with 4 sequences still runs 3 micro-batches (no filler needed: 2+1+1)
-    chunks = micro_batches(inputs[1].sequences, inputs[1].num_micro_batches)
-    assert [len(c) for c, filler in chunks] == [2, 1, 1] and not any(f for _, f in chunks)
-    filled = micro_batches(inputs[1].sequences[:1], 3)
-    assert [f for _, f in filled] == [False, True, True]
-    assert all(sum(c[0].loss_mask) == 0 for c, f in filled if f)  # fillers carry no loss
+def test_neighbouring_steps_never_share_a_sampling_seed() -> None:
+    """Every sample of every step gets its own random stream. (Seeds of seed + step replayed the
+    previous step's streams shifted by one sample, and exploration stalled.)"""
+    from mmrl.controller.loop import step_seed
+    from mmrl.rollout.engine import SEED_STRIDE
+    from mmrl.rollout.types import SamplingConfig
+
+    steps, prompts, group = 300, 32, 16
+    seeds = {SamplingConfig(seed=step_seed(0, s)).for_requests_from(i).seed + j
+             for s in range(steps) for i in range(prompts) for j in range(group)}
+    assert len(seeds) == steps * prompts * group
+    assert step_seed(0, 5) == step_seed(0, 5) != step_seed(1, 5)
+    assert SamplingConfig(seed=10).for_requests_from(3).seed == 10 + 3 * SEED_STRIDE

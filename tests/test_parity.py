@@ -12,11 +12,12 @@ import ray
 import torch
 
 from mmrl.config import load_config
-from mmrl.controller.loop import Runtime, build_step_inputs, start_runtime
+from mmrl.controller.learn import make_sequences
+from mmrl.controller.loop import Runtime, start_runtime
 from mmrl.rollout.agent_loops import RolloutContext, single_turn
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.batch import TrainSequence
-from mmrl.utils import split_even
+from mmrl.trainer.plan import MiniBatch, StepInputs, plan_forward_only, plan_updates
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -39,11 +40,11 @@ def _rollout_and_compare(rt: Runtime, prompts: list) -> tuple[list, np.ndarray]:
     groups = single_turn(RolloutContext(rt.engines, sampling, rt.weight_version), prompts)
     seqs = [TrainSequence.from_prompt(prompts[i], t.response_ids, t.behaviour_logprobs, t.loss_mask)
             for i, g in enumerate(groups) for t in g]
-    shards = split_even(seqs, len(rt.trainers))
-    per_rank = ray.get([tr.compute_logprobs.remote(s, 2) for tr, s in zip(rt.trainers, shards)])
-    trainer_lps = [lp for rank in per_rank for lp in rank]
-    diffs = np.concatenate([np.abs(np.asarray(lp) - np.asarray(s.behaviour_logprobs))
-                            for lp, s in zip(trainer_lps, seqs)])
+    chunks, order = plan_forward_only(seqs, world_size=len(rt.trainers), micro_batch_size=8)
+    per_rank = ray.get([tr.compute_logprobs.remote(c) for tr, c in zip(rt.trainers, chunks)])
+    trainer_lps = {i: lp for idx, rank in zip(order, per_rank) for i, lp in zip(idx, rank)}
+    diffs = np.concatenate([np.abs(np.asarray(trainer_lps[i]) - np.asarray(s.behaviour_logprobs))
+                            for i, s in enumerate(seqs)])
     assert all(t.weight_version == rt.weight_version for g in groups for t in g)
     return groups, diffs
 
@@ -58,9 +59,12 @@ def test_logprob_parity_before_and_after_weight_sync(runtime: Runtime, colors_sa
 
     # one real training step with random advantages moves the trainer's weights
     advantages_BG = torch.randn(len(groups), 4, generator=torch.Generator().manual_seed(0))
-    inputs = build_step_inputs(prompts, groups, advantages_BG, len(rt.trainers), 64, "token_mean")
+    seqs = make_sequences(prompts, groups)
+    for seq, adv in zip(seqs, advantages_BG.flatten().tolist()):
+        seq.advantage = adv
+    inputs = plan_updates(seqs, world_size=len(rt.trainers), micro_batch_size=64)
     stats = ray.get([t.train_step.remote(x) for t, x in zip(rt.trainers, inputs)])
-    assert stats[0]["grad_norm"] > 0
+    assert stats[0]["grad_norms"][0] > 0 and stats[0]["skipped_updates"] == 0
 
     _, control = _rollout_and_compare(rt, prompts)  # engine: old weights; trainer: new
     assert control.mean() > 1e-2, control.mean()
@@ -90,9 +94,31 @@ def test_text_only_micro_batch_on_one_rank_does_not_hang(runtime: Runtime, color
     assert not text_prompts[0].mm_inputs
     shards = [[TrainSequence.from_prompt(p, [11, 12], [-1.0, -1.0], [1, 1], advantage=1.0) for p in prompts]
               for prompts in (image_prompts, text_prompts)]
-    logprobs = ray.get([tr.compute_logprobs.remote(s, 1) for tr, s in zip(rt.trainers, shards)], timeout=240)
+    logprobs = ray.get([tr.compute_logprobs.remote([s]) for tr, s in zip(rt.trainers, shards)], timeout=240)
     assert [len(x) for x in logprobs] == [2, 2]
-    from mmrl.trainer.worker import StepInputs
+    stats = ray.get([tr.train_step.remote(StepInputs([MiniBatch([s], 8.0)])) for tr, s in zip(rt.trainers, shards)],
+                    timeout=240)
+    assert all(np.isfinite(s["grad_norms"][0]) for s in stats)
 
-    stats = ray.get([tr.train_step.remote(StepInputs(s, 1, 8.0)) for tr, s in zip(rt.trainers, shards)], timeout=240)
-    assert all(np.isfinite(s["grad_norm"]) for s in stats)
+
+@pytest.mark.timeout(300)
+def test_nonfinite_loss_skips_the_update_and_training_goes_on(runtime: Runtime, colors_samples: list) -> None:
+    """A nan advantage makes the loss and every gradient nan: DeepSpeed's step sees a non-finite
+    norm and skips the update; the weights stay exactly as they were and the next step trains."""
+    rt = runtime
+    prompts = [rt.processor(s) for s in colors_samples[:2]]
+
+    def step(advantage: float) -> list[dict]:
+        seqs = [TrainSequence.from_prompt(p, [11, 12], [-1.0, -1.0], [1, 1], advantage=advantage) for p in prompts]
+        inputs = plan_updates(seqs, world_size=len(rt.trainers), micro_batch_size=8)
+        return ray.get([t.train_step.remote(x) for t, x in zip(rt.trainers, inputs)], timeout=240)
+
+    before = ray.get([t.full_state_dict.remote() for t in rt.trainers])[0]
+    stats = step(float("nan"))
+    assert stats[0]["skipped_updates"] == 1 and not np.isfinite(stats[0]["grad_norms"][0])
+    after = ray.get([t.full_state_dict.remote() for t in rt.trainers])[0]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    stats = step(1.0)
+    assert stats[0]["skipped_updates"] == 0 and np.isfinite(stats[0]["grad_norms"][0])
+    moved = ray.get([t.full_state_dict.remote() for t in rt.trainers])[0]
+    assert any(not torch.equal(before[k], moved[k]) for k in before)

@@ -37,8 +37,17 @@ def test_demo_config_learns(tiny_model_dir: Path, colors_dir: Path, tmp_path: Pa
         assert all(key in r for r in steps), key
     first10 = sum(r["reward/mean"] for r in steps[:10]) / 10
     last10 = sum(r["reward/mean"] for r in steps[-10:]) / 10
-    assert last10 > first10 + 0.2, (first10, last10)
+    # the mean reward climbs from ~0 (the run stops as soon as held-out accuracy reaches 0.6)
+    assert last10 > first10 + 0.1, (first10, last10)
     # the engine and the trainer agree on what the policy is (fp32): the sync works every step
     assert max(r["mismatch/mean_abs_logprob_diff"] for r in steps) < 1e-4
+    assert all("time/rollout/engine_0_s" in r for r in steps)  # the engine's own track
     assert any((run_dir / "tensorboard").iterdir()) and (run_dir / "config.yaml").is_file()
+    # the per-step spans also go to a Chrome/Perfetto trace, one track per span kind
+    from mmrl.utils.trace import load_trace
+
+    events = load_trace(run_dir / "trace.json")
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"data_wait", "rollout", "rollout/engine_0", "reward", "train", "weight_sync", "eval"} <= tracks, tracks
+    assert sum(e["ph"] == "X" and e["name"] == "train" for e in events) == len(steps)
     assert "held-out accuracy by step" in proc.stdout

@@ -145,18 +145,44 @@ def _check_positive(cfg: Config) -> None:
         "rollout.group_size": cfg.rollout.group_size >= 2,
         "rollout.max_new_tokens": cfg.rollout.max_new_tokens >= 1,
         "rollout.num_engines": cfg.rollout.num_engines >= 1,
+        "rollout.chunks_per_engine": cfg.rollout.chunks_per_engine >= 1,
         "rollout.temperature": cfg.rollout.temperature > 0,
         "trainer.world_size": cfg.trainer.world_size >= 1,
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size >= 1,
         "trainer.lr": cfg.trainer.lr > 0,
         "eval.every_steps": cfg.eval.every_steps >= 0,
         "weight_sync.bucket_mb": cfg.weight_sync.bucket_mb > 0,
+        "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs >= 1,
+        "algorithm.mini_batches": cfg.algorithm.mini_batches >= 1,
+        "algorithm.dynamic_sampling.max_rounds": cfg.algorithm.dynamic_sampling.max_rounds >= 1,
+        "algorithm.rollout_correction.threshold": cfg.algorithm.rollout_correction.threshold > 0,
+        "trainer.max_tokens_per_micro_batch": (cfg.trainer.max_tokens_per_micro_batch or 1) >= 1,
+        "trainer.lora.rank": cfg.trainer.lora.rank >= 1,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps >= 0,
+        "stability.window": cfg.stability.window >= 1,
+        "stability.patience": cfg.stability.patience >= 1,
+        "stability.lr_scale": cfg.stability.lr_scale > 0,
     }
     for key, ok in checks.items():
         if not ok:
-            section, name = key.split(".")
-            raise ConfigError(f"Bad value for config key '{key}': {getattr(getattr(cfg, section), name)!r}. "
+            value: Any = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            raise ConfigError(f"Bad value for config key '{key}': {value!r}. "
                               f"It must be positive (group_size at least 2: advantages compare a group).")
+    from mmrl.algorithms.kl import KL_KINDS
+
+    if cfg.algorithm.kl.estimator not in KL_KINDS:
+        raise ConfigError(f"Bad value for config key 'algorithm.kl.estimator': {cfg.algorithm.kl.estimator!r}. "
+                          f"Allowed: k1, k2, k3 (verl names: kl, mse, low_var_kl; and abs), each optionally with "
+                          f"'+' (e.g. k3+: k3's value, k2's gradient).")
+    low = cfg.algorithm.rollout_correction.threshold_low
+    if low is not None and not 0 <= low < cfg.algorithm.rollout_correction.threshold:
+        raise ConfigError(f"Bad value for config key 'algorithm.rollout_correction.threshold_low': {low!r}. It must "
+                          f"be >= 0 and below rollout_correction.threshold ({cfg.algorithm.rollout_correction.threshold}).")
+    if cfg.stability.enabled and not cfg.checkpoint.every_steps:
+        raise ConfigError("Config key 'stability.enabled' is true but 'checkpoint.every_steps' is 0: the guard rolls "
+                          "back to a checkpoint. Set checkpoint.every_steps (e.g. 25) or stability.enabled=false.")
     if len(cfg.trainer.betas) != 2:
         raise ConfigError(f"Bad value for config key 'trainer.betas': {cfg.trainer.betas}; give two numbers, "
                           f"e.g. [0.9, 0.999].")

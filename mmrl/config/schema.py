@@ -105,6 +105,9 @@ class RolloutConfig:
     agent_loop: str = "single_turn"
     num_engines: int = 1
     prompts_per_step: int = 32
+    # Generate calls per engine per step: each finished call's groups go to the reward workers
+    # while the engine runs the next, so scoring overlaps the rollout (1 = score after it).
+    chunks_per_engine: int = 2
     group_size: int = 8
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -112,6 +115,9 @@ class RolloutConfig:
     # Vision special tokens (<|image_pad|> ...) sampled in a response break the training forward;
     # forbid them at sampling time and mask them identically in the trainer.
     forbid_vision_tokens: bool = True
+    # Seed every step's sampling from (run.seed, step): rollouts are then reproducible, and a
+    # resumed run samples what the uninterrupted one would have. false = the engine's own RNG.
+    seed_per_step: bool = True
     # Passed verbatim to vllm.LLM(...) (e.g. enforce_eager, max_model_len, gpu_memory_utilization).
     engine_args: dict[str, Any] = field(default_factory=dict)
     # Extra environment for the engine process (e.g. VLLM_CPU_KVCACHE_SPACE).
@@ -141,6 +147,54 @@ class RewardExecutionConfig:
     on_error: OnRewardError = OnRewardError.zero
 
 
+class KLPlacement(str, Enum):
+    loss = "loss"      # coef * KL(pi || ref) added to the loss, aggregated like the policy loss (GRPO)
+    reward = "reward"  # coef * sum_t KL subtracted from each response's reward (PPO/InstructGPT)
+
+
+@dataclass
+class KLConfig:
+    """KL to a frozen reference policy (the starting weights). coef 0 = off: no reference is loaded."""
+
+    coef: float = 0.0
+    # k1 | k2 | k3 (low-variance, >= 0); a "+" suffix (k1+, k3+) keeps the value, uses k2's gradient.
+    estimator: str = "k3"
+    placement: KLPlacement = KLPlacement.loss
+
+
+class CorrectionMode(str, Enum):
+    none = "none"
+    tis = "tis"  # truncated importance sampling: weight min(pi_old / mu, threshold), detached
+    mis = "mis"  # masked importance sampling: drop tokens/sequences whose ratio leaves [threshold_low, threshold]
+    rs = "rs"  # rejection only: the same mask as mis, kept tokens weighted 1
+
+
+class CorrectionLevel(str, Enum):
+    token = "token"
+    sequence = "sequence"      # product of the token ratios
+    geometric = "geometric"    # geometric mean of the token ratios (length-invariant)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Rollout-training mismatch correction between the sampler (vLLM, mu) and the trainer's
+    recompute with the same weights (pi_old). ALGORITHMS.md section 4."""
+
+    mode: CorrectionMode = CorrectionMode.none
+    level: CorrectionLevel = CorrectionLevel.token
+    threshold: float = 2.0
+    threshold_low: Optional[float] = None
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: groups whose rewards are all equal carry no signal; drop them and
+    roll out more prompts until the step has rollout.prompts_per_step informative groups."""
+
+    enabled: bool = False
+    max_rounds: int = 4  # rollout rounds per step at most; then train on what was kept
+
+
 @dataclass
 class AlgorithmConfig:
     advantage: str = "grpo"
@@ -148,9 +202,29 @@ class AlgorithmConfig:
     policy_loss: str = "ppo_clip"
     clip_low: float = 0.2
     clip_high: float = 0.2
+    # Extra keyword arguments for the policy loss (e.g. dual_clip_c: 3.0).
+    policy_loss_args: dict[str, Any] = field(default_factory=dict)
     loss_agg: LossAgg = LossAgg.token_mean
     # Entropy bonus: a tiny random policy stalls without it (see ALGORITHMS/STACK notes).
     entropy_coef: float = 0.0
+    # Optimizer updates per rollout batch = ppo_epochs x mini_batches. Above 1, pi_old is
+    # recomputed once before the first update (the "logprob" span).
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    kl: KLConfig = field(default_factory=KLConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft; the rollout engines always receive merged weights."""
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
 @dataclass
@@ -160,10 +234,47 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    # Sequences per forward/backward on one rank.
+    # Sequences per forward/backward on one rank (an upper bound when the token budget is set).
     micro_batch_size: int = 64
+    # Token budget per micro-batch: rows x padded length (prompt tokens, vision tokens included,
+    # plus response tokens). null = split by micro_batch_size only.
+    max_tokens_per_micro_batch: Optional[int] = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Merged over mmrl's ZeRO-3 defaults (mmrl.trainer.deepspeed_config).
     deepspeed: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointConfig:
+    """Exact checkpoints in RUN_DIR/checkpoints/step_N: DeepSpeed model + optimizer state, the data
+    cursor, RNG states, weight version and step. Rerunning the same command resumes from the latest."""
+
+    every_steps: int = 0  # 0 = no periodic checkpoints (the stability guard needs them)
+    keep_last: int = 2
+    resume: bool = True
+
+
+@dataclass
+class StabilityConfig:
+    """Collapse guard: watches per-step metrics; when a rule holds for `patience` steps it rolls
+    back to the last checkpoint saved before the trouble began and applies the remedy.
+    A threshold of null switches its rule off."""
+
+    enabled: bool = False
+    warmup_steps: int = 10  # no verdicts before this step
+    window: int = 5  # steps averaged for the reward rule
+    patience: int = 2
+    reward_drop: Optional[float] = 0.3  # window-mean reward this far below its best window mean
+    min_entropy: Optional[float] = None
+    max_entropy: Optional[float] = None
+    max_kl: Optional[float] = None
+    max_clip_fraction: Optional[float] = None
+    max_grad_norm: Optional[float] = None
+    max_mismatch: Optional[float] = None  # mismatch/mean_abs_logprob_diff
+    # remedy after a rollback
+    lr_scale: float = 0.5  # multiply the learning rate
+    skip_batches: bool = True  # continue with fresh data instead of replaying the batches since the checkpoint
+    max_rollbacks: int = 3  # then stop the run with the report
 
 
 @dataclass
@@ -203,4 +314,6 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

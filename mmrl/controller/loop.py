@@ -1,16 +1,16 @@
-"""The synchronous RL loop: data -> processor -> rollout -> rewards -> advantages -> train ->
-weight sync, with held-out evaluation and metrics every step."""
+"""The live processes of a run (Runtime: engines, trainer ranks, reward workers) and one synchronous
+step: rollout -> rewards -> (dynamic sampling) -> update (controller/learn.py) -> weight sync. The
+run itself (resume, checkpoints, stability guard, metrics) is controller/train.py."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import ray
@@ -19,19 +19,18 @@ import torch
 from mmrl import registry
 from mmrl.config.load import to_yaml
 from mmrl.config.schema import Config
-from mmrl.controller.metrics import MetricsLogger
+from mmrl.controller.learn import needs_reference, update_policy
 from mmrl.controller.placement import placement_plan
 from mmrl.data.quarantine import BadSample
 from mmrl.data.sample import Sample
 from mmrl.processors import ProcessedPrompt, build_processor
 from mmrl.processors.base import PromptRejected
-from mmrl.rewards.workers import RewardPool
+from mmrl.rewards.workers import RewardPool, RewardStream
 from mmrl.rollout.agent_loops import RolloutContext
 from mmrl.rollout.engine import RolloutEngine, engine_kwargs
 from mmrl.rollout.types import SamplingConfig, Trajectory
-from mmrl.trainer.batch import TrainSequence
-from mmrl.utils import split_even
-from mmrl.trainer.worker import StepInputs, TrainerSpec, make_trainer_actors
+from mmrl.trainer.update import LossSettings
+from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
 from mmrl.utils.env import apply_env, cleanup_shm, engine_env, resolve_device, rpc_dir
 from mmrl.utils.timing import StepSpans
 
@@ -97,23 +96,37 @@ def start_runtime(cfg: Config) -> Runtime:
     llm_kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
     if device == "cpu":
         llm_kwargs.setdefault("enforce_eager", True)
+        if cfg.rollout.seed_per_step:
+            llm_kwargs.setdefault("enable_chunked_prefill", False)  # see RolloutEngine.generate
     engines = [RolloutEngine.as_actor(p.ray_options(), {**llm_kwargs, "seed": cfg.run.seed + p.index}, env)
                for p in plan if p.role == "rollout"]
     trainer_opts = next(p for p in plan if p.role == "trainer").ray_options()
+    alg = cfg.algorithm
+    loss = LossSettings(
+        policy_loss=alg.policy_loss, policy_loss_args={"clip_low": alg.clip_low, "clip_high": alg.clip_high,
+                                                       **alg.policy_loss_args},
+        loss_agg=alg.loss_agg.value, entropy_coef=alg.entropy_coef,
+        kl_coef=alg.kl.coef if alg.kl.placement.value == "loss" else 0.0, kl_estimator=alg.kl.estimator,
+        correction_mode=alg.rollout_correction.mode.value, correction_level=alg.rollout_correction.level.value,
+        correction_threshold=alg.rollout_correction.threshold,
+        correction_threshold_low=alg.rollout_correction.threshold_low)
+    lora = cfg.trainer.lora
     spec = TrainerSpec(
         model_path=cfg.model.path, dtype=cfg.model.dtype.value, world_size=cfg.trainer.world_size,
         master_addr="127.0.0.1", master_port=_free_port(), device=device, lr=cfg.trainer.lr,
         betas=(cfg.trainer.betas[0], cfg.trainer.betas[1]), weight_decay=cfg.trainer.weight_decay,
         grad_clip=cfg.trainer.grad_clip, deepspeed=dict(cfg.trainer.deepspeed),
         temperature=cfg.rollout.temperature, forbidden_token_ids=forbidden, pad_token_id=processor.pad_token_id,
-        policy_loss=cfg.algorithm.policy_loss,
-        policy_loss_args={"clip_low": cfg.algorithm.clip_low, "clip_high": cfg.algorithm.clip_high},
-        loss_agg=cfg.algorithm.loss_agg.value, entropy_coef=cfg.algorithm.entropy_coef, seed=cfg.run.seed,
-        env=env, trust_remote_code=cfg.model.trust_remote_code)
+        loss=loss, seed=cfg.run.seed, env=env, trust_remote_code=cfg.model.trust_remote_code,
+        reference_model=needs_reference(cfg),
+        lora={"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+              "target_modules": list(lora.target_modules)} if lora.enabled else None)
     trainers = make_trainer_actors(spec, trainer_opts)
+    # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
+    # the engines and trainer ranks start too: give the workers time on a small CPU box.
     rewards = RewardPool([{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards],
                          num_workers=cfg.reward_execution.num_workers, timeout_s=cfg.reward_execution.timeout_s,
-                         on_error=cfg.reward_execution.on_error.value)
+                         on_error=cfg.reward_execution.on_error.value, start_timeout_s=300.0)
     ray.get([t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines])
     return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
                    sampling=sampling, engines=engines, trainers=trainers)
@@ -157,62 +170,65 @@ def evaluate(rt: Runtime, heldout: list[tuple[Sample, ProcessedPrompt]]) -> dict
     return metrics
 
 
-def build_step_inputs(prompts: list[ProcessedPrompt], groups: list[list[Trajectory]], advantages_BG: torch.Tensor,
-                      world_size: int, micro_batch_size: int, loss_agg: str) -> list[StepInputs]:
-    from mmrl.algorithms.losses import aggregate_denominator
-
-    seqs = [TrainSequence.from_prompt(prompts[i], t.response_ids, t.behaviour_logprobs, t.loss_mask,
-                                      float(advantages_BG[i, j]))
-            for i, group in enumerate(groups) for j, t in enumerate(group)]
-    T = max(len(s.response_ids) for s in seqs)
-    mask_BT = torch.zeros(len(seqs), max(T, 1))
-    for i, s in enumerate(seqs):
-        mask_BT[i, :len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float32)
-    denominator = max(float(aggregate_denominator(mask_BT, loss_agg)), 1.0)
-    shards = split_even(seqs, world_size)
-    num_micro = max(1, math.ceil(max(len(s) for s in shards) / micro_batch_size))
-    return [StepInputs(sequences=s, num_micro_batches=num_micro, loss_denominator=denominator) for s in shards]
+def step_seed(*parts: int) -> int:
+    """A 62-bit seed hashed from integers: far apart for neighbouring inputs (vLLM derives each
+    request's seed from it by small offsets), and stable across processes."""
+    state = np.random.SeedSequence([int(p) % 2**32 for p in parts]).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 30) ^ int(state[1])
 
 
-def _merge_train_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    tokens = max(sum(m["tokens"] for m in per_rank), 1.0)
-    return {
-        "loss/pg": sum(m["pg_loss"] for m in per_rank) / tokens,
-        "actor/entropy": sum(m["entropy"] for m in per_rank) / tokens,
-        "actor/clip_fraction": sum(m["clipped"] for m in per_rank) / tokens,
-        "actor/grad_norm": per_rank[0]["grad_norm"],
-        "actor/response_tokens": tokens,
-        "mismatch/mean_abs_logprob_diff": sum(m["abs_logprob_diff"] for m in per_rank) / tokens,
-        "mismatch/max_abs_logprob_diff": max(m["max_abs_logprob_diff"] for m in per_rank),
-    }
-
-
-def run_step(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], advantage_fn: Any, agent_loop: Any,
-             spans: StepSpans) -> dict[str, float]:
-    """One synchronous RL step on a batch of prompts: rollout, rewards, advantages, update, sync."""
-    cfg = rt.cfg
+def rollout_and_score(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], agent_loop: Any,
+                      spans: StepSpans) -> tuple[list[ProcessedPrompt], list[list[Trajectory]], dict[str, float]]:
+    """Roll out a batch of prompts and score the groups. Returns the prompts and groups that take
+    part in the update (a group whose reward failed under on_error=drop_group does not) and the
+    reward/rollout metrics."""
     samples, prompts = [s for s, _ in pairs], [p for _, p in pairs]
+    # Groups the agent loop reports as final are scored while the rest still roll out; the
+    # "reward" span is only the wait that is left after the rollout (see RewardStream).
+    stream = RewardStream(rt.rewards, samples, decode=rt.processor.decode)
+    ctx = RolloutContext(rt.engines, rt.sampling, rt.weight_version, on_groups=stream.submit,
+                         chunks_per_engine=rt.cfg.rollout.chunks_per_engine)
+    t_rollout = time.time()
     with spans("rollout"):
-        groups = agent_loop(RolloutContext(rt.engines, rt.sampling, rt.weight_version), prompts)
+        groups = agent_loop(ctx, prompts)
+    # each engine's busy time within the rollout (trace track and time/rollout/engine_<i>_s)
+    busy: dict[int, float] = {}
+    for t in (t for g in groups for t in g):
+        if "engine" in t.timings:
+            busy[t.timings["engine"]] = max(busy.get(t.timings["engine"], 0.0), t.timings.get("generate_s", 0.0))
+    for engine, seconds in sorted(busy.items()):
+        spans.add(f"rollout/engine_{engine}", t_rollout, seconds)
     with spans("reward"):
-        report = rt.rewards.score(samples, groups, decode=rt.processor.decode)
+        report = stream.finish(groups)
         metrics = report.metrics()
-        # groups whose reward failed under on_error=drop_group take no part in the update
         lengths = [len(t.response_ids) for g in groups for t in g]
         prompts = [p for p, keep in zip(prompts, report.keep) if keep]
         groups = [g for g, keep in zip(groups, report.keep) if keep]
     metrics["rollout/response_length"] = float(np.mean(lengths)) if lengths else 0.0
+    return prompts, groups, metrics
+
+
+def run_step(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], advantage_fn: Any, agent_loop: Any,
+             spans: StepSpans, step: int = 0, more_pairs: Any = None) -> dict[str, float]:
+    """One synchronous RL step on a batch of prompts: rollout, rewards, (dynamic sampling),
+    advantages, update, weight sync. `more_pairs()` gives another batch when dynamic sampling
+    needs more informative groups."""
+    cfg = rt.cfg
+    if cfg.rollout.seed_per_step:
+        # Rollouts become a function of (seed, step, weights): a resumed run samples exactly what
+        # the uninterrupted run would have. The step's seed is a hash, not seed + step: request
+        # seeds are consecutive within a step, so consecutive step seeds would replay the
+        # previous step's random streams (shifted by one sample) and starve exploration.
+        rt.sampling.seed = step_seed(cfg.run.seed, step)
+    dyn = cfg.algorithm.dynamic_sampling
+    if not dyn.enabled:
+        prompts, groups, metrics = rollout_and_score(rt, pairs, agent_loop, spans)
+    else:
+        prompts, groups, metrics = _dynamic_sampling(rt, pairs, agent_loop, spans, more_pairs)
     if not groups:
         metrics["train/skipped_steps"] = 1.0  # every group dropped: nothing to learn from
         return metrics
-    rewards_BG = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
-    advantages_BG = advantage_fn(rewards_BG, **cfg.algorithm.advantage_args)
-    metrics["rollout/groups_all_same_reward"] = float((rewards_BG == rewards_BG[:, :1]).all(1).float().mean())
-    with spans("train"):
-        inputs = build_step_inputs(prompts, groups, advantages_BG, cfg.trainer.world_size,
-                                   cfg.trainer.micro_batch_size, cfg.algorithm.loss_agg.value)
-        per_rank = ray.get([t.train_step.remote(x) for t, x in zip(rt.trainers, inputs)])
-    metrics.update(_merge_train_metrics(per_rank))
+    metrics.update(update_policy(rt.trainers, cfg, prompts, groups, advantage_fn, spans, step))
     with spans("weight_sync"):
         rt.weight_version += 1
         sync = ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, cfg.weight_sync.bucket_mb)
@@ -221,71 +237,31 @@ def run_step(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], advantage
     return metrics
 
 
-def _batches(stream: Iterator[Sample], n: int) -> Iterator[list[Sample]]:
+def _dynamic_sampling(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], agent_loop: Any, spans: StepSpans,
+                      more_pairs: Any) -> tuple[list[ProcessedPrompt], list[list[Trajectory]], dict[str, float]]:
+    """DAPO: keep only groups whose rewards differ; roll out further batches until
+    rollout.prompts_per_step groups are kept or dynamic_sampling.max_rounds is reached."""
+    from mmrl.algorithms.dynamic_sampling import informative_groups
+
+    target = rt.cfg.rollout.prompts_per_step
+    kept_prompts: list[ProcessedPrompt] = []
+    kept_groups: list[list[Trajectory]] = []
+    first_metrics: dict[str, float] = {}
+    rounds, seen = 0, 0
     while True:
-        batch = [next(stream) for _ in range(n)]
-        yield batch
-
-
-def train(cfg: Config) -> dict[str, Any]:
-    """Run `cfg` to the end; return a summary (final/best held-out accuracy, steps, wall time)."""
-    from mmrl.data.stream import DecodeOptions, ShardStream, load_all
-
-    torch.manual_seed(cfg.run.seed)
-    rt = start_runtime(cfg)
-    advantage_fn = registry.resolve("advantage", cfg.algorithm.advantage)
-    agent_loop = registry.resolve("agent_loop", cfg.rollout.agent_loop)
-    rejected: set[str] = set()  # keys of prompts the processor refused
-    heldout: list[tuple[Sample, ProcessedPrompt]] = []
-    decode = DecodeOptions(**{**vars(cfg.data.decode), "decoders": tuple(cfg.data.decode.decoders)})
-    if cfg.data.heldout_shards:
-        samples = load_all(cfg.data.heldout_shards, decode=decode)
-        heldout = _prompts(rt.processor, samples[:cfg.eval.num_prompts] if cfg.eval.num_prompts else samples, rejected)
-    stream = ShardStream(cfg.data.train_shards, shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.run.seed,
-                         num_workers=cfg.data.num_workers, decode=decode,
-                         quarantine_path=rt.run_dir / "quarantine.jsonl", max_bad_ratio=cfg.data.max_bad_ratio,
-                         min_samples_for_ratio=cfg.data.min_samples_for_ratio)
-    logger = MetricsLogger(rt.run_dir, total_steps=cfg.run.max_steps, tensorboard=cfg.logging.tensorboard,
-                           progress_bar=cfg.logging.progress_bar, console_every=cfg.logging.console_every)
-    summary: dict[str, Any] = {"run_dir": str(rt.run_dir), "heldout_curve": []}
-    t_start = time.time()
-    try:
-        if heldout:
-            first = evaluate(rt, heldout)
-            logger.log(0, {**first, "time/wall_s": 0.0})
-            summary["heldout_curve"].append((0, first["eval/heldout_accuracy"], 0.0))
-        batches = _batches(iter(stream), cfg.rollout.prompts_per_step)
-        for step in range(1, cfg.run.max_steps + 1):
-            spans = StepSpans()
-            t_step = time.time()
-            with spans("data_wait"):
-                pairs = _prompts(rt.processor, next(batches), rejected, stream.quarantine)
-            metrics = run_step(rt, pairs, advantage_fn, agent_loop, spans)
-            wall = time.time() - t_start
-            if heldout and cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.run.max_steps):
-                with spans("eval"):
-                    metrics.update(evaluate(rt, heldout))
-                summary["heldout_curve"].append((step, metrics["eval/heldout_accuracy"], wall))
-            metrics.update({
-                "data/rejected_prompts": float(len(rejected)),
-                "data/bad_samples": float(sum(stream.bad_counts.values())),
-                **spans.metrics(), "time/step_s": time.time() - t_step, "time/wall_s": wall,
-            })
-            logger.log(step, metrics)
-            summary["steps"] = step
-            acc = metrics.get("eval/heldout_accuracy")
-            if (cfg.run.stop_at_heldout_accuracy is not None and acc is not None
-                    and acc >= cfg.run.stop_at_heldout_accuracy):
-                summary["stopped"] = f"held-out accuracy {acc:.3f} >= {cfg.run.stop_at_heldout_accuracy}"
-                break
-            if cfg.run.time_limit_s is not None and wall > cfg.run.time_limit_s:
-                summary["stopped"] = f"time limit {cfg.run.time_limit_s}s"
-                break
-    finally:
-        logger.close()
-        rt.close()
-    curve = summary["heldout_curve"]
-    summary.update(wall_s=time.time() - t_start, final_heldout_accuracy=curve[-1][1] if curve else None,
-                   best_heldout_accuracy=max((c[1] for c in curve), default=None), rejected_prompts=len(rejected),
-                   bad_samples=dict(stream.bad_counts))
-    return summary
+        rounds += 1
+        prompts, groups, metrics = rollout_and_score(rt, pairs, agent_loop, spans)
+        first_metrics = first_metrics or metrics
+        seen += len(groups)
+        if groups:
+            keep_B = informative_groups(torch.tensor([[t.reward for t in g] for g in groups]))
+            kept_prompts += [p for p, k in zip(prompts, keep_B.tolist()) if k]
+            kept_groups += [g for g, k in zip(groups, keep_B.tolist()) if k]
+        if len(kept_groups) >= target or rounds >= rt.cfg.algorithm.dynamic_sampling.max_rounds or more_pairs is None:
+            break
+        pairs = more_pairs()
+        if rt.sampling.seed is not None:  # a fresh seed per round, still a function of the step
+            rt.sampling.seed = step_seed(rt.sampling.seed, rounds)
+    first_metrics.update({"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(len(kept_groups)),
+                          "dynamic_sampling/kept_fraction": len(kept_groups) / max(seen, 1)})
+    return kept_prompts[:target], kept_groups[:target], first_metrics

@@ -11,15 +11,17 @@ from tqdm import tqdm
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, *, total_steps: int, tensorboard: bool = True, progress_bar: bool = True,
-                 console_every: int = 10):
+                 console_every: int = 10, start_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True) if progress_bar else None
+            # purge_step: a resumed run overwrites what the killed run logged after its checkpoint
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        self._bar = (tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+                     if progress_bar else None)
         self.console_every = console_every
         self.last_heldout: float | None = None
 

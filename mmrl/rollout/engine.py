@@ -9,6 +9,9 @@ import ray
 
 from mmrl.rollout.types import Completion, SamplingConfig
 
+# Seed spacing between the requests of one call: more than any group size, so no two samples share a seed.
+SEED_STRIDE = 4096
+
 WORKER_EXTENSION = "mmrl.weight_sync.vllm_extension.WeightSyncExtension"
 
 # Defaults mmrl needs; rollout.engine_args overrides any of them.
@@ -54,16 +57,24 @@ class RolloutEngine:
         """One list of `sampling.n` completions per request, in request order."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
+        base = dict(
             n=sampling.n,
             max_tokens=sampling.max_new_tokens,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
             logprobs=0,  # the sampled token's logprob
-            seed=sampling.seed,
             # clamped to -100 by vLLM: probability ~e^-100; the trainer applies the same bias
             logit_bias={t: -100.0 for t in sampling.forbidden_token_ids} or None,
         )
+        if sampling.seed is None:
+            params: Any = SamplingParams(**base)
+        else:
+            # One seed per request (vLLM gives its n samples seed, seed+1, ...): each request's draws
+            # then depend on nothing else in the batch, so how the engine happens to batch the
+            # requests (timing-dependent) cannot change them. On CPU this needs chunked prefill
+            # off (start_runtime sets it): vLLM rewinds a generator after a partial prefill and
+            # CPU generators cannot rewind ("CPU Generator does not use offset").
+            params = [SamplingParams(**base, seed=sampling.seed + i * SEED_STRIDE) for i in range(len(requests))]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         result = []
         for out in outputs:

@@ -18,6 +18,18 @@ class SamplingConfig:
     seed: int | None = None
     greedy: bool = False
 
+    def for_requests_from(self, first: int) -> "SamplingConfig":
+        """The settings for a generate call whose first request is the step's request `first`:
+        a seeded step gives every request of the step its own seed, however the requests are
+        split into calls and engines (RolloutEngine.generate adds the position in the call)."""
+        if self.seed is None or first == 0:
+            return self
+        from dataclasses import replace
+
+        from mmrl.rollout.engine import SEED_STRIDE
+
+        return replace(self, seed=self.seed + first * SEED_STRIDE)
+
 
 @dataclass
 class Completion:

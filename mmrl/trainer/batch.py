@@ -7,14 +7,13 @@ response columns to vocabulary logits (`logits_to_keep`), which keeps the logits
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from mmrl.algorithms.losses import entropy_from_logprobs
 from mmrl.processors.base import ProcessedPrompt
-from mmrl.utils import split_even
 
 
 @dataclass
@@ -30,7 +29,16 @@ class TrainSequence:
     behaviour_logprobs: list[float]
     loss_mask: list[int]
     advantage: float = 0.0
+    # Filled by the logprob pass when needed: pi_old before the first update (several updates per
+    # batch) and the reference policy (KL). None = not computed.
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
     extras: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the forward: prompt (vision placeholder tokens included) + response."""
+        return len(self.prompt_ids) + len(self.response_ids)
 
     @classmethod
     def from_prompt(cls, prompt: ProcessedPrompt, response_ids: list[int], behaviour_logprobs: list[float],
@@ -49,6 +57,8 @@ class MicroBatch:
     response_ids_BT: torch.Tensor
     mask_BT: torch.Tensor
     behaviour_logprobs_BT: torch.Tensor
+    old_logprobs_BT: torch.Tensor | None
+    ref_logprobs_BT: torch.Tensor | None
     advantages_B: torch.Tensor
     logits_to_keep: torch.Tensor  # columns whose logits predict the response tokens
 
@@ -81,24 +91,27 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
             response[i, :n_r] = torch.tensor(s.response_ids)
             mask[i, :n_r] = torch.tensor(s.loss_mask, dtype=torch.float32)
             behaviour[i, :n_r] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+    old = _padded([s.old_logprobs for s in seqs], T)
+    ref = _padded([s.ref_logprobs for s in seqs], T)
     mm_keys = sorted({k for s in seqs for k in s.mm_inputs})
     mm_inputs = {k: torch.cat([s.mm_inputs[k] for s in seqs if k in s.mm_inputs]) for k in mm_keys}
     return MicroBatch(input_ids_BL=input_ids, attention_mask_BL=attention, position_ids_3BL=positions,
                       mm_inputs=mm_inputs, response_ids_BT=response, mask_BT=mask,
-                      behaviour_logprobs_BT=behaviour,
+                      behaviour_logprobs_BT=behaviour, old_logprobs_BT=old, ref_logprobs_BT=ref,
                       advantages_B=torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
                       logits_to_keep=torch.arange(P - 1, P + T - 1))
 
 
-
-def micro_batches(seqs: Sequence[TrainSequence], num_micro: int) -> list[tuple[list[TrainSequence], bool]]:
-    """Exactly `num_micro` chunks, as (chunk, is_filler). Every ZeRO-3 rank must run the same
-    number of forwards or the parameter all-gathers deadlock, so a rank with fewer sequences than
-    micro-batches runs fillers: a copy of one sequence with an all-zero loss mask."""
-    if not seqs:
-        raise ValueError("a trainer rank got no sequences; the batch must have at least world_size sequences")
-    filler = replace(seqs[0], loss_mask=[0] * len(seqs[0].loss_mask), advantage=0.0)
-    return [(chunk, False) if chunk else ([filler], True) for chunk in split_even(seqs, num_micro)]
+def _padded(rows: list[list[float] | None], T: int) -> torch.Tensor | None:
+    """(B, T) from per-sequence lists, or None when no sequence has them. A micro-batch mixes
+    sequences with and without only as fillers (all-masked), whose values never count."""
+    if all(r is None for r in rows):
+        return None
+    out = torch.zeros((len(rows), T), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
 
 
 def sampling_logprobs(logits_BTV: torch.Tensor, response_ids_BT: torch.Tensor, temperature: float,

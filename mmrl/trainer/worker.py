@@ -7,15 +7,21 @@ enter. The controller splits the batch so that all ranks run the same number of 
 from __future__ import annotations
 
 import os
+import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import ray
 import torch
 
-from mmrl.trainer.batch import TrainSequence, collate, micro_batches, sampling_logprobs
+from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
 from mmrl.trainer.deepspeed_config import build_deepspeed_config
+from mmrl.trainer.plan import StepInputs, filler_for
+from mmrl.trainer.update import SUM_KEYS, LossSettings, micro_batch_loss
 
 
 @dataclass
@@ -36,23 +42,12 @@ class TrainerSpec:
     temperature: float
     forbidden_token_ids: list[int]
     pad_token_id: int
-    policy_loss: str
-    policy_loss_args: dict[str, Any]
-    loss_agg: str
-    entropy_coef: float
+    loss: LossSettings
     seed: int
     env: dict[str, str]
     trust_remote_code: bool = False
-
-
-@dataclass
-class StepInputs:
-    """One rank's share of a training step, plus the global loss denominator (shared by all
-    micro-batches and ranks so that token-mean means the mean over the whole batch)."""
-
-    sequences: list[TrainSequence]
-    num_micro_batches: int
-    loss_denominator: float
+    reference_model: bool = False  # load a frozen reference policy (KL); with LoRA: adapters off
+    lora: dict[str, Any] | None = None  # {rank, alpha, dropout, target_modules}; None = full fine-tuning
 
 
 class TrainerWorker:
@@ -76,31 +71,52 @@ class TrainerWorker:
         from mmrl import registry
 
         t0 = time.time()
-        deepspeed.init_distributed(dist_backend="nccl" if self.spec.device == "cuda" else "gloo")
-        if self.spec.device == "cuda":
+        spec = self.spec
+        deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo")
+        if spec.device == "cuda":
             torch.cuda.set_device(0)  # each Ray actor sees exactly its own GPU
-        ds_config = build_deepspeed_config(grad_clip=self.spec.grad_clip, bf16=self.spec.dtype == "bfloat16",
-                                           user=self.spec.deepspeed)
-        dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
-        # Kept alive while the model is built: from_pretrained then partitions the weights
+        ds_config = build_deepspeed_config(grad_clip=spec.grad_clip, bf16=spec.dtype == "bfloat16", user=spec.deepspeed)
+        dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
+        # Kept alive while the models are built: from_pretrained then partitions the weights
         # across ranks as they load (zero.Init) instead of materialising the full model per rank.
         self._hf_ds_config = HfDeepSpeedConfig(ds_config)
-        model = AutoModelForImageTextToText.from_pretrained(
-            self.spec.model_path, dtype=dtype, trust_remote_code=self.spec.trust_remote_code)
-        model.config.use_cache = False
-        optimizer = torch.optim.AdamW(model.parameters(), lr=self.spec.lr, betas=tuple(self.spec.betas),
-                                      weight_decay=self.spec.weight_decay)
+
+        def load() -> Any:
+            m = AutoModelForImageTextToText.from_pretrained(spec.model_path, dtype=dtype,
+                                                            trust_remote_code=spec.trust_remote_code)
+            m.config.use_cache = False
+            return m
+
+        model = load()
+        if spec.lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(
+                r=spec.lora["rank"], lora_alpha=spec.lora["alpha"], lora_dropout=spec.lora["dropout"],
+                target_modules=list(spec.lora["target_modules"]), bias="none"))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.engine.train()
-        self.policy_loss = registry.resolve("policy_loss", self.spec.policy_loss)
-        from mmrl.algorithms.losses import aggregate_sum
-
-        self._aggregate_sum = aggregate_sum
+        self.ref_engine = None
+        if spec.reference_model and not spec.lora:
+            # A frozen copy, sharded like the policy (ZeRO-3 inference: no optimizer state).
+            ref_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler", "gradient_clipping")}
+            self.ref_engine, *_ = deepspeed.initialize(model=load(), config=ref_config)
+            self.ref_engine.eval()
+        self.policy_loss = registry.resolve("policy_loss", spec.loss.policy_loss)
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        return {"rank": self.rank, "setup_s": time.time() - t0, "params": n_params, "pid": os.getpid()}
+        n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
+        self._setup_info = {"rank": self.rank, "setup_s": time.time() - t0, "params": n_params,
+                            "trainable": n_trainable, "pid": os.getpid()}
+        return self._setup_info
+
+    def setup_info(self) -> dict[str, Any]:
+        return self._setup_info
 
     # ---- forward helpers -------------------------------------------------------------------------
-    def _forward(self, seqs: Sequence[TrainSequence]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def _forward(self, seqs: Sequence[TrainSequence], engine: Any = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        engine = engine or self.engine
         mb = collate(seqs, self.spec.pad_token_id)
         hook = None
         if "pixel_values" not in mb.mm_inputs and "pixel_values_videos" not in mb.mm_inputs:
@@ -109,10 +125,10 @@ class TrainerWorker:
             # mismatch. Run the tower on a dummy patch grid, with zero weight, at the point where
             # the image path runs it (right after the token embedding), so every rank performs
             # the same gathers in the same order.
-            embed = self.engine.module.get_input_embeddings()
-            hook = embed.register_forward_hook(lambda _m, _i, out: out + 0.0 * self._dummy_vision_output())
+            embed = engine.module.get_input_embeddings()
+            hook = embed.register_forward_hook(lambda _m, _i, out: out + 0.0 * self._dummy_vision_output(engine))
         try:
-            out = self.engine(**mb.model_inputs())
+            out = engine(**mb.model_inputs())
         finally:
             if hook is not None:
                 hook.remove()
@@ -120,59 +136,106 @@ class TrainerWorker:
                                                     self.spec.forbidden_token_ids)
         return mb, logprobs_BT, entropy_BT
 
-    def _dummy_vision_output(self) -> torch.Tensor:
-        model = self.engine.module
-        vision = model.config.vision_config
+    def _dummy_vision_output(self, engine: Any) -> torch.Tensor:
+        model = engine.module
+        config = model.config
+        vision = config.vision_config
         merge = vision.spatial_merge_size
         grid_thw = torch.tensor([[1, merge, merge]])  # the smallest grid: one merged token
         n_patches = int(grid_thw.prod())
         patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
         pixels = torch.zeros(n_patches, patch_dim, dtype=next(model.parameters()).dtype)
-        out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid_thw)
+        out = model.get_image_features(pixel_values=pixels, image_grid_thw=grid_thw)
         return sum(t.float().sum() for t in _tensors(out))
 
+    def _reference(self) -> tuple[Any, Any]:
+        """(engine, context) computing the reference policy's logprobs."""
+        if self.ref_engine is not None:
+            return self.ref_engine, nullcontext()
+        if self.spec.lora:
+            return self.engine, self.engine.module.disable_adapter()  # the base model is the reference
+        raise RuntimeError("no reference model: set algorithm.kl.coef > 0 to load one")
+
     @torch.no_grad()
-    def compute_logprobs(self, seqs: list[TrainSequence], num_micro_batches: int) -> list[list[float]]:
-        """Trainer-side logprobs of the response tokens (for parity checks and old-logprob
-        recompute). Collective: every rank calls it with the same num_micro_batches."""
+    def compute_logprobs(self, micro_batches: list[list[TrainSequence]], policy: str = "current") -> list[list[float]]:
+        """Trainer-side logprobs of the response tokens, micro-batch by micro-batch (empty lists
+        are fillers). policy="current" (π_old recompute, parity checks) or "reference" (KL).
+        Collective: every rank calls it with the same number of micro-batches."""
+        engine, context = (self.engine, nullcontext()) if policy == "current" else self._reference()
+        fallback = next(s for chunk in micro_batches for s in chunk)
         result: list[list[float]] = []
-        for chunk, is_filler in micro_batches(seqs, num_micro_batches):
-            _, logprobs_BT, _ = self._forward(chunk)
-            if not is_filler:
-                result += [logprobs_BT[i, :len(s.response_ids)].tolist() for i, s in enumerate(chunk)]
+        with context:
+            for chunk in micro_batches:
+                run, is_filler = filler_for(chunk, fallback)
+                _, logprobs_BT, _ = self._forward(run, engine)
+                if not is_filler:
+                    result += [logprobs_BT[i, :len(s.response_ids)].tolist() for i, s in enumerate(run)]
         return result
 
     # ---- training ---------------------------------------------------------------------------------
-    def train_step(self, inputs: StepInputs) -> dict[str, float]:
+    def train_step(self, inputs: StepInputs) -> dict[str, Any]:
+        """`epochs` passes over the mini-batches, one optimizer step each. A step whose gradient
+        norm is not finite (nan/inf in the loss or the gradients) is skipped by DeepSpeed and
+        counted here; the weights stay as they were."""
         spec = self.spec
         t0 = time.time()
-        sums = {"pg_loss": 0.0, "entropy": 0.0, "clipped": 0.0, "tokens": 0.0, "abs_logprob_diff": 0.0}
-        max_diff = 0.0
-        scale = spec.world_size / inputs.loss_denominator  # DeepSpeed averages gradients over ranks
-        for chunk, _ in micro_batches(inputs.sequences, inputs.num_micro_batches):
-            mb, logprobs_BT, entropy_BT = self._forward(chunk)
-            mask = mb.mask_BT
-            # A single update per rollout batch: pi_old is the current policy (detached).
-            loss_BT, stats = self.policy_loss(logprobs_BT, logprobs_BT.detach(), mb.advantages_B, mask,
-                                              **spec.policy_loss_args)
-            pg_sum = self._aggregate_sum(loss_BT, mask, spec.loss_agg)
-            ent_sum = self._aggregate_sum(entropy_BT, mask, spec.loss_agg)
-            loss = (pg_sum - spec.entropy_coef * ent_sum) * scale
-            self.engine.backward(loss, scale_wrt_gas=False)
-            with torch.no_grad():
-                diff_BT = (logprobs_BT.detach() - mb.behaviour_logprobs_BT).abs() * mask
-                sums["pg_loss"] += float(pg_sum)
-                sums["entropy"] += float((entropy_BT.detach() * mask).sum())
-                sums["clipped"] += float((stats["clipped_BT"].float() * mask).sum())
-                sums["tokens"] += float(mask.sum())
-                sums["abs_logprob_diff"] += float(diff_BT.sum())
-                max_diff = max(max_diff, float(diff_BT.max()) if diff_BT.numel() else 0.0)
-        self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        sums["max_abs_logprob_diff"] = max_diff
-        sums["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        sums["train_s"] = time.time() - t0
-        return sums
+        sums = dict.fromkeys(SUM_KEYS, 0.0)
+        max_diff, max_ratio, min_ratio = 0.0, 1.0, 1.0
+        grad_norms: list[float] = []
+        skipped = 0
+        fallback = next(s for mini in inputs.mini_batches for chunk in mini.micro_batches for s in chunk)
+        for _ in range(inputs.epochs):
+            for mini in inputs.mini_batches:
+                scale = spec.world_size / mini.loss_denominator  # DeepSpeed averages gradients over ranks
+                for chunk in mini.micro_batches:
+                    run, _ = filler_for(chunk, fallback)
+                    mb, logprobs_BT, entropy_BT = self._forward(run)
+                    loss, stats = micro_batch_loss(
+                        self.policy_loss, spec.loss, logprobs_BT, entropy_BT, mb.mask_BT, mb.advantages_B,
+                        mb.behaviour_logprobs_BT, mb.old_logprobs_BT, mb.ref_logprobs_BT, scale)
+                    self.engine.backward(loss, scale_wrt_gas=False)
+                    for key in SUM_KEYS:
+                        sums[key] += stats.get(key, 0.0)
+                    max_diff = max(max_diff, stats["max_abs_logprob_diff"])
+                    max_ratio = max(max_ratio, stats["max_mismatch_ratio"])
+                    min_ratio = min(min_ratio, stats["min_mismatch_ratio"])
+                self.engine.step()
+                norm = self.engine.get_global_grad_norm()
+                norm = float(norm) if norm is not None else float("nan")
+                grad_norms.append(norm)
+                skipped += 0 if np.isfinite(norm) else 1
+        return {**sums, "max_abs_logprob_diff": max_diff, "max_mismatch_ratio": max_ratio,
+                "min_mismatch_ratio": min_ratio, "grad_norms": grad_norms, "skipped_updates": skipped,
+                "updates": inputs.num_updates, "train_s": time.time() - t0}
+
+    # ---- learning rate ----------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> float:
+        """Set the learning rate of every parameter group (the stability guard's remedy)."""
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def get_lr(self) -> float:
+        return float(self.engine.optimizer.param_groups[0]["lr"])
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """DeepSpeed's sharded model + optimizer state (every rank writes its shard) and this
+        rank's RNG states. Collective."""
+        self.engine.save_checkpoint(path, tag="deepspeed")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+                   Path(path) / f"rng_rank{self.rank}.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore model, optimizer (learning rate included) and RNG states. Collective."""
+        load_path, _ = self.engine.load_checkpoint(path, tag="deepspeed", load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}/deepspeed")
+        rng = torch.load(Path(path) / f"rng_rank{self.rank}.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
 
     # ---- weight sync ------------------------------------------------------------------------------
     def sync_weights(self, engines: Sequence[Any], version: int, bucket_mb: float) -> dict[str, float]:
@@ -181,28 +244,20 @@ class TrainerWorker:
         import deepspeed
         from safetensors.torch import save as save_safetensors
 
+        from mmrl.weight_sync.gather import buckets, weight_units
+
         t0 = time.time()
-        named = list(self.engine.module.named_parameters())
-        limit = bucket_mb * 2**20
-        buckets: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
-        size = 0.0
-        for name, p in named:
-            nbytes = getattr(p, "ds_numel", p.numel()) * p.element_size()  # numel() is 0 when partitioned
-            if buckets[-1] and size + nbytes > limit:
-                buckets.append([])
-                size = 0.0
-            buckets[-1].append((name, p))
-            size += nbytes
         pending = []
-        sent_bytes = 0
-        for bucket in buckets:
-            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+        sent_bytes, n_buckets = 0, 0
+        for bucket in buckets(weight_units(self.engine.module), bucket_mb):
+            n_buckets += 1
+            with deepspeed.zero.GatheredParameters([p for u in bucket for p in u.params], modifier_rank=None):
                 if self.rank == 0:
-                    payload = save_safetensors({n: p.data.detach().to("cpu").contiguous() for n, p in bucket})
+                    payload = save_safetensors({n: t for u in bucket for n, t in u.tensors().items()})
                     sent_bytes += len(payload)
                     ref = ray.put(payload)
                     pending += [e.stage_weights.remote(ref) for e in engines]
-        result = {"buckets": float(len(buckets)), "mb": sent_bytes / 2**20}
+        result = {"buckets": float(n_buckets), "mb": sent_bytes / 2**20}
         if self.rank == 0:
             ray.get(pending)
             applied = ray.get([e.apply_weights.remote(version) for e in engines])
@@ -211,13 +266,15 @@ class TrainerWorker:
         return result
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The gathered weights on rank 0 (tests, export); collective."""
+        """The gathered weights on rank 0 under HF checkpoint names (LoRA merged); collective."""
         import deepspeed
 
-        params = list(self.engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+        from mmrl.weight_sync.gather import weight_units
+
+        units = weight_units(self.engine.module)
+        with deepspeed.zero.GatheredParameters([p for u in units for p in u.params], modifier_rank=None):
             if self.rank == 0:
-                return {n: p.data.detach().to("cpu").clone() for n, p in params}
+                return {n: t.clone() for u in units for n, t in u.tensors().items()}
         return None
 
     def shutdown(self) -> None:

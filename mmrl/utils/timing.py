@@ -21,5 +21,10 @@ class StepSpans:
             self.seconds[name] = self.seconds.get(name, 0.0) + duration
             self.events.append((name, start, duration))
 
+    def add(self, name: str, start: float, duration: float) -> None:
+        """A span measured elsewhere (e.g. one engine's share of the rollout)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + duration
+        self.events.append((name, start, duration))
+
     def metrics(self) -> dict[str, float]:
         return {f"time/{name}_s": value for name, value in self.seconds.items()}

@@ -1,0 +1,122 @@
+"""From scored groups to a policy update: sequences, the logprob pass (π_old / reference),
+KL in the reward, advantages, the update plan, the update on every rank, and its metrics.
+
+Called by the loop once rollout and rewards are done for a step; all trainer calls are
+collective (every rank gets a call, in the same order).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from mmrl.algorithms.kl import kl_estimate
+from mmrl.config.schema import Config
+from mmrl.processors import ProcessedPrompt
+from mmrl.rollout.types import Trajectory
+from mmrl.trainer.batch import TrainSequence
+from mmrl.trainer.plan import StepInputs, plan_forward_only, plan_updates
+from mmrl.utils.timing import StepSpans
+
+
+def needs_old_logprobs(cfg: Config) -> bool:
+    """π_old differs from the policy being trained once a batch gets more than one update."""
+    return cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches > 1
+
+
+def needs_reference(cfg: Config) -> bool:
+    return cfg.algorithm.kl.coef > 0
+
+
+def make_sequences(prompts: Sequence[ProcessedPrompt], groups: Sequence[Sequence[Trajectory]]) -> list[TrainSequence]:
+    return [TrainSequence.from_prompt(prompts[i], t.response_ids, t.behaviour_logprobs, t.loss_mask)
+            for i, group in enumerate(groups) for t in group]
+
+
+def logprob_pass(trainers: Sequence[Any], seqs: list[TrainSequence], cfg: Config, *, old: bool, reference: bool) -> None:
+    """Fill `old_logprobs` / `ref_logprobs` of every sequence with one no-grad pass each."""
+    chunks, order = plan_forward_only(seqs, world_size=len(trainers), micro_batch_size=cfg.trainer.micro_batch_size,
+                                      max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch)
+    for policy, attr, wanted in (("current", "old_logprobs", old), ("reference", "ref_logprobs", reference)):
+        if not wanted:
+            continue
+        per_rank = ray.get([t.compute_logprobs.remote(c, policy) for t, c in zip(trainers, chunks)])
+        for indices, values in zip(order, per_rank):
+            for i, lp in zip(indices, values):
+                setattr(seqs[i], attr, lp)
+
+
+def sequence_kl_B(seqs: Sequence[TrainSequence], estimator: str) -> torch.Tensor:
+    """Σ_t KL(π_old ‖ π_ref)_t over each response's valid tokens (KL in the reward)."""
+    out = []
+    for s in seqs:
+        old = torch.tensor([s.old_logprobs or s.behaviour_logprobs], dtype=torch.float32)
+        ref = torch.tensor([s.ref_logprobs], dtype=torch.float32)
+        mask = torch.tensor([s.loss_mask], dtype=torch.float32)
+        out.append(float((kl_estimate(old, ref, estimator.rstrip("+")) * mask).sum()) if mask.numel() else 0.0)
+    return torch.tensor(out)
+
+
+def merge_rank_stats(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """Batch-level metrics from the ranks' additive sums."""
+    tokens = max(sum(m["tokens"] for m in per_rank), 1.0)
+    mismatch_tokens = max(sum(m["mismatch_tokens"] for m in per_rank), 1.0)
+    norms = [n for n in per_rank[0]["grad_norms"]]
+    finite = [n for n in norms if np.isfinite(n)]
+    updates = max(per_rank[0]["updates"], 1)
+    return {
+        "loss/pg": sum(m["pg_loss"] for m in per_rank) / tokens,
+        "actor/entropy": sum(m["entropy"] for m in per_rank) / tokens,
+        "actor/kl": sum(m["kl"] for m in per_rank) / tokens,
+        "actor/clip_fraction": sum(m["clipped"] for m in per_rank) / tokens,
+        "actor/ratio_mean": sum(m["ratio_sum"] for m in per_rank) / tokens,
+        "actor/grad_norm": float(np.mean(finite)) if finite else float("nan"),
+        "actor/grad_norm_max": float(max(norms)) if norms else float("nan"),
+        "actor/updates": float(updates),
+        "actor/response_tokens": tokens / updates,
+        "train/nonfinite_skipped": float(per_rank[0]["skipped_updates"]),
+        "mismatch/mean_abs_logprob_diff": sum(m["abs_logprob_diff"] for m in per_rank) / mismatch_tokens,
+        "mismatch/max_abs_logprob_diff": max(m["max_abs_logprob_diff"] for m in per_rank),
+        "mismatch/ratio_max": max(m["max_mismatch_ratio"] for m in per_rank),
+        "mismatch/ratio_min": min(m["min_mismatch_ratio"] for m in per_rank),
+        "mismatch/correction_masked_fraction": sum(m["correction_masked"] for m in per_rank) / mismatch_tokens,
+        "mismatch/correction_truncated_fraction": sum(m["correction_truncated"] for m in per_rank) / mismatch_tokens,
+        "mismatch/correction_weight_mean": sum(m["correction_weight_sum"] for m in per_rank) / tokens,
+    }
+
+
+def update_policy(trainers: Sequence[Any], cfg: Config, prompts: Sequence[ProcessedPrompt],
+                  groups: Sequence[Sequence[Trajectory]], advantage_fn: Any, spans: StepSpans,
+                  step: int) -> dict[str, float]:
+    """Everything after rewards: returns the step's learning metrics."""
+    metrics: dict[str, float] = {}
+    seqs = make_sequences(prompts, groups)
+    rewards_BG = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
+    old, reference = needs_old_logprobs(cfg), needs_reference(cfg)
+    kl_in_reward = reference and cfg.algorithm.kl.placement.value == "reward"
+    if old or reference:
+        with spans("logprob"):
+            # KL in the reward is measured against π_old: recompute it too
+            logprob_pass(trainers, seqs, cfg, old=old or kl_in_reward, reference=reference)
+    if kl_in_reward:
+        kl_B = sequence_kl_B(seqs, cfg.algorithm.kl.estimator)
+        rewards_BG = rewards_BG - cfg.algorithm.kl.coef * kl_B.view(rewards_BG.shape)
+        metrics["reward/kl_penalty"] = float(cfg.algorithm.kl.coef * kl_B.mean())
+        metrics["actor/kl_sequence"] = float(kl_B.mean())
+    advantages_BG = advantage_fn(rewards_BG, **cfg.algorithm.advantage_args)
+    for seq, adv in zip(seqs, advantages_BG.flatten().tolist()):
+        seq.advantage = adv
+    metrics["rollout/groups_all_same_reward"] = float((rewards_BG == rewards_BG[:, :1]).all(1).float().mean())
+    metrics["actor/advantage_abs_mean"] = float(advantages_BG.abs().mean())
+    with spans("train"):
+        inputs: list[StepInputs] = plan_updates(
+            seqs, world_size=len(trainers), mini_batches=cfg.algorithm.mini_batches, epochs=cfg.algorithm.ppo_epochs,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+            max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, loss_agg=cfg.algorithm.loss_agg.value,
+            seed=cfg.run.seed * 1_000_003 + step)
+        per_rank = ray.get([t.train_step.remote(x) for t, x in zip(trainers, inputs)])
+    metrics.update(merge_rank_stats(per_rank))
+    metrics["actor/micro_batches"] = float(sum(len(m.micro_batches) for m in inputs[0].mini_batches))
+    return metrics

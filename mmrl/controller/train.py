@@ -1,0 +1,232 @@
+"""`mmrl train`: the run from start (or resume) to the end.
+
+Per step: data -> run_step (rollout, rewards, update, weight sync) -> eval -> metrics and trace
+-> stability guard -> checkpoint. Rerunning the same command resumes from the newest complete
+checkpoint in RUN_DIR/checkpoints (checkpoint.resume=true).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import ray
+import torch
+
+from mmrl import registry
+from mmrl.config.schema import Config
+from mmrl.controller.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, truncate_metrics
+from mmrl.controller.guard import StabilityGuard
+from mmrl.controller.loop import Runtime, _prompts, evaluate, run_step, start_runtime
+from mmrl.controller.metrics import MetricsLogger
+from mmrl.data.sample import Sample
+from mmrl.processors import ProcessedPrompt
+from mmrl.utils.timing import StepSpans
+from mmrl.utils.trace import TraceWriter
+
+
+@dataclass
+class TrainHooks:
+    """Callbacks for research code and tests, e.g. inject a fault or log extra metrics.
+    `before_step(rt, step)` runs before the step's data is read; `after_step(rt, step, metrics)`
+    after its metrics are complete (it may add keys)."""
+
+    before_step: Callable[[Runtime, int], None] | None = None
+    after_step: Callable[[Runtime, int, dict[str, Any]], None] | None = None
+
+
+class _Batches:
+    """Prompt batches from the stream, processed; rejected prompts go to the quarantine report."""
+
+    def __init__(self, stream: Any, processor: Any, size: int):
+        self.stream, self.processor, self.size = stream, processor, size
+        self.rejected: set[str] = set()
+        self._it: Iterator[Sample] | None = None
+
+    def __call__(self) -> list[tuple[Sample, ProcessedPrompt]]:
+        if self._it is None:
+            self._it = iter(self.stream)
+        samples = [next(self._it) for _ in range(self.size)]
+        return _prompts(self.processor, samples, self.rejected, self.stream.quarantine)
+
+    def rewind(self, cursor: dict[str, Any]) -> None:
+        """Continue from a checkpoint's cursor (replay the batches since it)."""
+        self.stream.load_state_dict(cursor)
+        self._it = None
+
+
+def _open_stream(cfg: Config, run_dir: Path, resume: dict[str, Any] | None) -> Any:
+    from mmrl.data.stream import DecodeOptions, ShardStream
+
+    decode = DecodeOptions(**{**vars(cfg.data.decode), "decoders": tuple(cfg.data.decode.decoders)})
+    return ShardStream(cfg.data.train_shards, shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.run.seed,
+                       num_workers=cfg.data.num_workers, decode=decode, quarantine_path=run_dir / "quarantine.jsonl",
+                       max_bad_ratio=cfg.data.max_bad_ratio, min_samples_for_ratio=cfg.data.min_samples_for_ratio,
+                       resume=resume)
+
+
+def _heldout(cfg: Config, rt: Runtime, rejected: set[str]) -> list[tuple[Sample, ProcessedPrompt]]:
+    from mmrl.data.stream import DecodeOptions, load_all
+
+    if not cfg.data.heldout_shards:
+        return []
+    decode = DecodeOptions(**{**vars(cfg.data.decode), "decoders": tuple(cfg.data.decode.decoders)})
+    samples = load_all(cfg.data.heldout_shards, decode=decode)
+    return _prompts(rt.processor, samples[:cfg.eval.num_prompts] if cfg.eval.num_prompts else samples, rejected)
+
+
+def _trace_step(trace: TraceWriter, step: int, spans: StepSpans) -> None:
+    for name, start, duration in spans.events:
+        trace.span(name, start, duration, process="train", thread=name, args={"step": step})
+
+
+def _sync_engines(rt: Runtime, new_version: bool) -> None:
+    """Push the trainers' weights to the engines after a restore. On resume the fresh engines get
+    the checkpoint's own version (the same weights); after a rollback the engines held newer
+    weights, so the restored ones get a new version and versions stay monotonic."""
+    if new_version:
+        rt.weight_version += 1
+    ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, rt.cfg.weight_sync.bucket_mb) for t in rt.trainers])
+
+
+def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
+    """Run `cfg` to the end; return a summary (final/best held-out accuracy, steps, wall time)."""
+    hooks = hooks or TrainHooks()
+    torch.manual_seed(cfg.run.seed)
+    rt = start_runtime(cfg)
+    advantage_fn = registry.resolve("advantage", cfg.algorithm.advantage)
+    agent_loop = registry.resolve("agent_loop", cfg.rollout.agent_loop)
+    guard = StabilityGuard(cfg.stability)
+    summary: dict[str, Any] = {"run_dir": str(rt.run_dir), "heldout_curve": [], "rollbacks": []}
+    lr_scale, start_step, resume_cursor, wall_offset = 1.0, 1, None, 0.0
+    ckpt = latest_checkpoint(rt.run_dir) if cfg.checkpoint.resume else None
+    stream = None
+    try:
+        if ckpt is not None:
+            state = load_checkpoint(ckpt, rt.trainers)
+            start_step, rt.weight_version = state["step"] + 1, state["weight_version"]
+            resume_cursor, lr_scale, wall_offset = state["data"], state["lr_scale"], state["wall_s"]
+            guard.load_state_dict(state["guard"])
+            summary.update(state["summary"])
+            dropped = truncate_metrics(rt.run_dir, state["step"])
+            truncate_metrics(rt.run_dir, state["step"], name="batches.jsonl")
+            _sync_engines(rt, new_version=False)
+            print(f"[mmrl] resumed from {ckpt} (step {state['step']}; {dropped} later metric lines dropped)")
+        stream = _open_stream(cfg, rt.run_dir, resume_cursor)
+        batches = _Batches(stream, rt.processor, cfg.rollout.prompts_per_step)
+        heldout = _heldout(cfg, rt, batches.rejected)
+        logger = MetricsLogger(rt.run_dir, total_steps=cfg.run.max_steps, tensorboard=cfg.logging.tensorboard,
+                               progress_bar=cfg.logging.progress_bar, console_every=cfg.logging.console_every,
+                               start_step=start_step - 1)
+        trace = TraceWriter(rt.run_dir / "trace.json")
+        t_start = time.time() - wall_offset
+        if heldout and start_step == 1:
+            first = evaluate(rt, heldout)
+            logger.log(0, {**first, "time/wall_s": 0.0})
+            summary["heldout_curve"].append((0, first["eval/heldout_accuracy"], 0.0))
+        last_good = latest_checkpoint(rt.run_dir)
+        step = start_step
+        while step <= cfg.run.max_steps:
+            if hooks.before_step:
+                hooks.before_step(rt, step)
+            spans = StepSpans()
+            t_step = time.time()
+            with spans("data_wait"):
+                pairs = batches()
+            metrics = run_step(rt, pairs, advantage_fn, agent_loop, spans, step=step, more_pairs=batches)
+            wall = time.time() - t_start
+            if heldout and cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.run.max_steps):
+                with spans("eval"):
+                    metrics.update(evaluate(rt, heldout))
+                summary["heldout_curve"].append((step, metrics["eval/heldout_accuracy"], wall))
+            verdict = guard.observe(step, metrics)
+            metrics.update({
+                "data/rejected_prompts": float(len(batches.rejected)),
+                "data/bad_samples": float(sum(stream.bad_counts.values())),
+                "guard/alarm": float(bool(verdict.reasons)), "guard/rollbacks": float(guard.rollbacks),
+                "train/lr_scale": lr_scale,
+            })
+            if verdict.collapse:
+                with spans("rollback"):
+                    lr_scale = _rollback(rt, cfg, guard, verdict, step, batches, summary)
+                last_good = latest_checkpoint(rt.run_dir)
+                metrics["guard/rollbacks"] = float(guard.rollbacks)
+            elif cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                with spans("checkpoint"):
+                    state = {"step": step, "weight_version": rt.weight_version, "data": stream.state_dict(),
+                             "lr_scale": lr_scale, "wall_s": wall, "guard": guard.state_dict(),
+                             "lora_scaling": (cfg.trainer.lora.alpha / cfg.trainer.lora.rank
+                                              if cfg.trainer.lora.enabled else None),
+                             "summary": {k: summary[k] for k in ("heldout_curve", "rollbacks")}}
+                    healthy = not verdict.reasons
+                    path = save_checkpoint(rt.run_dir, step, rt.trainers, state, model_path=cfg.model.path,
+                                           trust_remote_code=cfg.model.trust_remote_code,
+                                           keep_last=cfg.checkpoint.keep_last, protect=None if healthy else last_good)
+                    if healthy:
+                        last_good = path
+            metrics.update({**spans.metrics(), "time/step_s": time.time() - t_step, "time/wall_s": wall})
+            if hooks.after_step:
+                hooks.after_step(rt, step, metrics)
+            logger.log(step, metrics)
+            _trace_step(trace, step, spans)
+            if step % 10 == 0:
+                trace.flush()
+            with open(rt.run_dir / "batches.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "keys": [s.key for s, _ in pairs]}) + "\n")
+            summary["steps"] = step
+            stop = _should_stop(cfg, metrics, wall)
+            if stop:
+                summary["stopped"] = stop
+                break
+            step += 1
+    finally:
+        if stream is not None:
+            logger.close()
+            trace.flush()
+        rt.close()
+    curve = summary["heldout_curve"]
+    summary.update(wall_s=time.time() - t_start, final_heldout_accuracy=curve[-1][1] if curve else None,
+                   best_heldout_accuracy=max((c[1] for c in curve), default=None),
+                   rejected_prompts=len(batches.rejected), bad_samples=dict(stream.bad_counts))
+    return summary
+
+
+def _should_stop(cfg: Config, metrics: dict[str, Any], wall: float) -> str | None:
+    acc = metrics.get("eval/heldout_accuracy")
+    if cfg.run.stop_at_heldout_accuracy is not None and acc is not None and acc >= cfg.run.stop_at_heldout_accuracy:
+        return f"held-out accuracy {acc:.3f} >= {cfg.run.stop_at_heldout_accuracy}"
+    if cfg.run.time_limit_s is not None and wall > cfg.run.time_limit_s:
+        return f"time limit {cfg.run.time_limit_s}s"
+    return None
+
+
+class CollapseError(RuntimeError):
+    pass
+
+
+def _rollback(rt: Runtime, cfg: Config, guard: StabilityGuard, verdict: Any, step: int, batches: _Batches,
+              summary: dict[str, Any]) -> float:
+    """Restore the newest checkpoint saved before the alarm began and apply the remedy; returns
+    the new learning-rate scale. Step numbers keep counting forward (metrics stay monotonic);
+    `guard/rollbacks` and RUN_DIR/guard.jsonl record what happened."""
+    reasons = "; ".join(verdict.reasons)
+    target = latest_checkpoint(rt.run_dir, before_step=verdict.first_alarm_step)
+    if target is None or guard.rollbacks >= cfg.stability.max_rollbacks:
+        why = "no checkpoint before the alarm (set checkpoint.every_steps)" if target is None else \
+            f"stability.max_rollbacks={cfg.stability.max_rollbacks} reached"
+        raise CollapseError(f"collapse at step {step} ({reasons}) and no rollback possible: {why}")
+    state = load_checkpoint(target, rt.trainers)
+    lr_scale = state["lr_scale"] * cfg.stability.lr_scale
+    ray.get([t.set_lr.remote(cfg.trainer.lr * lr_scale) for t in rt.trainers])
+    _sync_engines(rt, new_version=True)
+    if not cfg.stability.skip_batches:
+        batches.rewind(state["data"])
+    guard.after_rollback()
+    event = {"at_step": step, "to_step": state["step"], "reasons": verdict.reasons, "lr_scale": lr_scale}
+    summary["rollbacks"].append(event)
+    with open(rt.run_dir / "guard.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")
+    print(f"[mmrl] collapse at step {step}: {reasons}. Rolled back to {target.name}, learning rate x{lr_scale:g}")
+    return lr_scale
