@@ -63,7 +63,7 @@ def merge_rank_stats(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     """Batch-level metrics from the ranks' additive sums."""
     tokens = max(sum(m["tokens"] for m in per_rank), 1.0)
     mismatch_tokens = max(sum(m["mismatch_tokens"] for m in per_rank), 1.0)
-    norms = [n for n in per_rank[0]["grad_norms"]]
+    norms = list(per_rank[0]["grad_norms"])
     finite = [n for n in norms if np.isfinite(n)]
     updates = max(per_rank[0]["updates"], 1)
     return {

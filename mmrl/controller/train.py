@@ -102,7 +102,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {"run_dir": str(rt.run_dir), "heldout_curve": [], "rollbacks": []}
     lr_scale, start_step, resume_cursor, wall_offset = 1.0, 1, None, 0.0
     ckpt = latest_checkpoint(rt.run_dir) if cfg.checkpoint.resume else None
-    stream = None
+    stream = logger = trace = None
     try:
         if ckpt is not None:
             state = load_checkpoint(ckpt, rt.trainers)
@@ -182,8 +182,9 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                 break
             step += 1
     finally:
-        if stream is not None:
+        if logger is not None:
             logger.close()
+        if trace is not None:
             trace.flush()
         rt.close()
     curve = summary["heldout_curve"]
