@@ -128,11 +128,13 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
             summary["heldout_curve"].append((0, first["eval/heldout_accuracy"], 0.0))
         last_good = latest_checkpoint(rt.run_dir)
         step = start_step
+        # A checkpoint is the last thing a step does, after its records are written: a checkpoint
+        # at step N then implies every record up to N exists, whenever the run is killed. Its
+        # time counts in the next step (time/checkpoint_s), whose spans start before it.
+        spans, t_step = StepSpans(), time.time()
         while step <= cfg.run.max_steps:
             if hooks.before_step:
                 hooks.before_step(rt, step)
-            spans = StepSpans()
-            t_step = time.time()
             with spans("data_wait"):
                 pairs = batches()
             metrics = run_step(rt, pairs, advantage_fn, agent_loop, spans, step=step, more_pairs=batches)
@@ -153,7 +155,18 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                     lr_scale = _rollback(rt, cfg, guard, verdict, step, batches, summary)
                 last_good = latest_checkpoint(rt.run_dir)
                 metrics["guard/rollbacks"] = float(guard.rollbacks)
-            elif cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+            metrics.update({**spans.metrics(), "time/step_s": time.time() - t_step, "time/wall_s": wall})
+            if hooks.after_step:
+                hooks.after_step(rt, step, metrics)
+            logger.log(step, metrics)
+            with open(rt.run_dir / "batches.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "keys": [s.key for s, _ in pairs]}) + "\n")
+            _trace_step(trace, step, spans)
+            if step % 10 == 0:
+                trace.flush()
+            summary["steps"] = step
+            spans, t_step = StepSpans(), time.time()
+            if not verdict.collapse and cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                 with spans("checkpoint"):
                     state = {"step": step, "weight_version": rt.weight_version, "data": stream.state_dict(),
                              "lr_scale": lr_scale, "wall_s": wall, "guard": guard.state_dict(),
@@ -166,16 +179,6 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                                            keep_last=cfg.checkpoint.keep_last, protect=None if healthy else last_good)
                     if healthy:
                         last_good = path
-            metrics.update({**spans.metrics(), "time/step_s": time.time() - t_step, "time/wall_s": wall})
-            if hooks.after_step:
-                hooks.after_step(rt, step, metrics)
-            logger.log(step, metrics)
-            _trace_step(trace, step, spans)
-            if step % 10 == 0:
-                trace.flush()
-            with open(rt.run_dir / "batches.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "keys": [s.key for s, _ in pairs]}) + "\n")
-            summary["steps"] = step
             stop = _should_stop(cfg, metrics, wall)
             if stop:
                 summary["stopped"] = stop
