@@ -57,7 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--samples", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "profiler_overhead.json"))
     args = ap.parse_args()
     from mmrl.data.recipes.colors import build

@@ -204,7 +204,7 @@ def test_worker_records_carry_worker_ids_and_send_times(colors_dir):
     stream.close()
     records = stream.profile_records
     assert [r["key"] for r in records] == [s.key for s in samples]
-    assert {r["worker"] for r in records} == {0, 1} and len({r["pid"] for r in records}) == 2
+    assert {r["worker"] for r in records} == {0, 1}
     assert all(r["decode_start"] + r["decode_s"] <= r["sent"] <= r["delivered"] for r in records)
 
 
@@ -251,6 +251,9 @@ def test_worker_advice_follows_the_measured_sweep():
     # consumer-bound: more workers measured to slow it down -> a hint, no key
     hint = adv.advise(_context("consumer", 1, [(1, 10.0), (2, 9.0)]), [], probe=lambda c: {})
     assert [(a["rule"], a["key"]) for a in hint] == [("consumer_bound", None)] and "0.90×" in hint[0]["text"]
+    # fewer workers measured faster (on 2 cores the workers compete with the main process's threads)
+    fewer = adv.advise(_context("consumer", 1, [(0, 8.1), (1, 5.7), (2, 5.0)]), [], probe=lambda c: {})
+    assert (fewer[0]["key"], fewer[0]["proposed"]) == ("data.num_workers", 0) and "lowering" in fewer[0]["text"]
     # loader-bound at 0 workers, nothing measured beyond: the cost model predicts (W + M) / W
     serial = adv.advise(_context("serial", 0, [(0, 100.0)]), [], probe=lambda c: {})
     assert serial[0]["proposed"] == 1 and serial[0]["predicted_speedup"] == pytest.approx(10 / 8)

@@ -80,19 +80,17 @@ class _EpochPlan:
     shuffle_buffer: int
     skip: list[int]  # per stream: items already delivered before a resume
     options: DecodeOptions
-    profile: bool = False  # wrap each decoded item in a _Timed with its stage timings
+    profile: bool = False  # send each decoded item as a _Timed pair with its stage timings
 
 
-class _Timed:
-    """Profiling only: an item on its way to the main process with its per-stage timings (read,
-    decode, per image/video; see mmrl.profiling). Counted by the merge like the bare item."""
-    __slots__ = ("item", "record")
-
-    def __init__(self, item: Any, record: dict[str, Any]):
-        self.item, self.record = item, record
+# Profiling only: (item, record) -- an item on its way to the main process with its per-stage
+# timings (read, decode, per image/video; see mmrl.profiling). A plain tuple because it crosses
+# the worker queue once per sample and pickles faster than any class; nothing else in a stream is
+# a tuple. The merge counts it like the bare item.
+_Timed = tuple
 
 
-def _stream_items(plan: _EpochPlan, stream_id: int) -> Iterator[Sample | BadSample | _Timed]:
+def _stream_items(plan: _EpochPlan, stream_id: int) -> Iterator[Any]:
     urls = plan.shards[stream_id::plan.num_streams]
     raw: Iterable[Any] = (item for url in urls for item in
                           (read_shard(url, profile=True) if plan.profile else read_shard(url)))
@@ -100,27 +98,26 @@ def _stream_items(plan: _EpochPlan, stream_id: int) -> Iterator[Sample | BadSamp
         rng = random.Random(_mix(plan.seed, plan.epoch, plan.rank, stream_id, 0x5A))
         raw = _shuffled(raw, plan.shuffle_buffer, rng)
     skip = plan.skip[stream_id]
-    pid = os.getpid()
     for position, item in enumerate(raw):
         if position < skip:
             continue  # delivered before the restart: drop the raw bytes, never decode them
         if isinstance(item, BadSample):
             yield item
         elif plan.profile:
-            yield _decode_timed(item, plan.options, stream_id, pid)
+            yield _decode_timed(item, plan.options, stream_id)
         else:
             yield _decode_or_bad(item, plan.options)
 
 
-def _decode_timed(raw: dict[str, Any], options: DecodeOptions, stream_id: int, pid: int) -> _Timed:
+def _decode_timed(raw: dict[str, Any], options: DecodeOptions, stream_id: int) -> tuple[Any, dict[str, Any]]:
     record: dict[str, Any] = raw.pop("__profile__", None) or {}
-    record["key"], record["worker"], record["pid"] = str(raw.get("__key__", "?")), stream_id, pid
+    record["key"], record["worker"] = raw.get("__key__", "?"), stream_id
     start = time.perf_counter()
     item = _decode_or_bad(raw, options, record)
     record["decode_start"], record["decode_s"] = start, time.perf_counter() - start
     if isinstance(item, BadSample):
         record["bad"] = item.reason
-    return _Timed(item, record)
+    return item, record
 
 
 def _decode_or_bad(raw: dict[str, Any], options: DecodeOptions,
@@ -143,7 +140,7 @@ def _to_shared(item: Any) -> Any:
     instead of pickling tens of MB through a pipe. `_from_shared` turns them back into numpy.
     (Images stay PIL: for images of a few hundred kB, a shared-memory segment per image measured
     slower than pickling them, benchmarks/data_pipeline.py.)"""
-    sample = item.item if type(item) is _Timed else item
+    sample = item[0] if type(item) is _Timed else item
     if isinstance(sample, Sample) and sample.videos:
         import torch
         for video in sample.videos:
@@ -152,7 +149,7 @@ def _to_shared(item: Any) -> Any:
 
 
 def _from_shared(item: Any) -> Any:
-    sample = item.item if type(item) is _Timed else item
+    sample = item[0] if type(item) is _Timed else item
     if isinstance(sample, Sample):
         for video in sample.videos:
             if not hasattr(video.frames, "__array_interface__"):
@@ -191,7 +188,7 @@ def _stamp_sent(chunk: list[Any]) -> list[Any]:
     now = time.perf_counter()
     for item in chunk:
         if type(item) is _Timed:
-            item.record["sent"] = now
+            item[1]["sent"] = now
     return chunk
 
 
@@ -403,9 +400,9 @@ class ShardStream:
         while self.epochs is None or cursor.epoch < self.epochs:
             for item in self._epoch_items(cursor):
                 if type(item) is _Timed:
-                    item.record["delivered"] = time.perf_counter()
-                    self.profile_records.append(item.record)
-                    item = item.item
+                    item, record = item
+                    record["delivered"] = time.perf_counter()
+                    self.profile_records.append(record)
                 if isinstance(item, BadSample):
                     self.quarantine.record_bad(item, cursor.epoch)
                     continue

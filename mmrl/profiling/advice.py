@@ -239,15 +239,20 @@ def advise(ctx: Context, candidates: list[Candidate],
     worker_share = sum(ctx.stages[s]["share"] or 0.0 for s in WORKER_STAGES if s in ctx.stages)
     rates = dict(ctx.sweep)
     more_workers = None
-    if ctx.workers < ctx.cpus:
+    best = max(rates, key=lambda w: rates[w]) if rates.get(ctx.workers) else ctx.workers
+    if best != ctx.workers and rates[best] >= MIN_SPEEDUP * rates[ctx.workers]:  # the sweep measured a better count
+        gain = rates[best] / rates[ctx.workers]
+        basis = f"measured: {rates[ctx.workers]:.1f}→{rates[best]:.1f} samples/s"
+        more_workers = _entry("num_workers", "loader", "data.num_workers", ctx.workers, best, gain, basis,
+                              f"{'raising' if best > ctx.workers else 'lowering'} data.num_workers {ctx.workers}→{best} "
+                              f"is predicted to give {gain:.2f}× ({basis})")
+    elif ctx.workers < ctx.cpus and limit in ("loader", "serial") and worker_share >= 0.5:
         proposed = min(ctx.cpus, max(ctx.workers + 1, 2 * ctx.workers))
         gain, basis = predict_workers(ctx, proposed)
-        loader_side = limit in ("loader", "serial") and worker_share >= 0.5
-        if gain >= MIN_SPEEDUP and (loader_side or proposed in rates):  # a measured gain counts on any side
-            why = f"the loader is {worker_share:.0%} of pipeline work: " if loader_side else ""
+        if gain >= MIN_SPEEDUP and proposed not in rates:  # a measured count was handled above
             more_workers = _entry("num_workers", "loader", "data.num_workers", ctx.workers, proposed, gain, basis,
-                                  f"{why}raising data.num_workers {ctx.workers}→{proposed} is predicted to give "
-                                  f"{gain:.2f}× ({basis})")
+                                  f"the loader is {worker_share:.0%} of pipeline work: raising data.num_workers "
+                                  f"{ctx.workers}→{proposed} is predicted to give {gain:.2f}× ({basis})")
     if more_workers:
         advice.append(more_workers)
     elif limit in ("loader", "cpu") and ctx.workers >= ctx.cpus:
