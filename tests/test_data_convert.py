@@ -172,7 +172,9 @@ def test_parquet_verl_style_bytes_and_shard_size(tmp_path):
     sizes = [os.path.getsize(p) for p in files]
     assert all(s <= target_mb * 1e6 for s in sizes), sizes
     total = sum(sizes)
-    assert len(files) <= total / (target_mb * 1e6) * 1.5 + 1  # shards are filled, not tiny
+    # shards are filled, not tiny: at least half full (here two ~14 kB samples fill a shard, as a
+    # third would cross 50 kB once tar pads the file to whole 10 KiB records)
+    assert len(files) <= total / (target_mb * 1e6) * 2 + 1
     assert len(files) == info["num_shards"]["train"] >= 3
 
     samples = load_all(os.path.join(out, info["shards"]["train"]))

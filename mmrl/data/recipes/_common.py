@@ -161,11 +161,18 @@ def record_bytes(record: dict[str, Any]) -> bytes:
 # -------------------------------------------------------------------------------- shard writing
 
 def member_size(sample: dict[str, Any]) -> int:
-    """Bytes a sample takes in a webdataset tar: per member 1536 bytes of headers (webdataset's
-    TarWriter writes PAX tars, and a float mtime adds a PAX record to each member) plus its data
-    padded to 512 bytes. An estimate for deciding where a shard ends; `ShardSink` tracks the
-    real offsets."""
-    return sum(1536 + math.ceil(len(v) / 512) * 512 for k, v in sample.items() if not k.startswith("_"))
+    """Bytes a sample takes in a webdataset tar: per member a 512-byte header (1536 when its name
+    needs a PAX record: longer than 100 bytes or not ASCII) plus its data padded to 512 bytes. An
+    estimate for deciding where a shard ends; `ShardSink` tracks the real offsets."""
+    key = str(sample.get("__key__", ""))
+    total = 0
+    for k, v in sample.items():
+        if k.startswith("_"):
+            continue
+        name = f"{key}.{k}"
+        header = 512 if len(name) <= 100 and name.isascii() else 1536
+        total += header + math.ceil(len(v) / 512) * 512
+    return total
 
 
 def tar_file_size(content: int) -> int:
@@ -201,7 +208,7 @@ class ShardSink:
 
         self._close_current()
         path = self.pattern % len(self.shards)
-        self._tar = wds.TarWriter(path, encoder=False, mtime=0.0)
+        self._tar = wds.TarWriter(path, encoder=False, mtime=0)  # an int: a float adds a PAX record per member
         self.shards.append(path)
         self.counts.append(0)
         self.sizes.append(1024)  # the end-of-archive blocks
