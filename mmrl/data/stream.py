@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from mmrl.data.decode import IMAGE_EXTS, VIDEO_EXTS, DecodeOptions, decode_sample
+from mmrl.data.handoff import PixelRing, RingChunk, RingHandle, pack, pixel_nbytes, unpack
 from mmrl.data.quarantine import BadSample, BadSampleError, QuarantineLedger, TooManyBadSamples
 from mmrl.data.sample import Sample
 from mmrl.data.shards import ShardNotFoundError, expand_urls, read_shard
@@ -81,6 +82,7 @@ class _EpochPlan:
     skip: list[int]  # per stream: items already delivered before a resume
     options: DecodeOptions
     profile: bool = False  # send each decoded item as a _Timed pair with its stage timings
+    rings: list[RingHandle] | None = None  # per stream: where its worker puts image pixels (handoff.py)
 
 
 # Profiling only: (item, record) -- an item on its way to the main process with its per-stage
@@ -135,31 +137,11 @@ class _StreamEnd:
     """Last item of every stream, so the main-process merge knows a stream is done."""
 
 
-def _to_shared(item: Any) -> Any:
-    """Video frames as torch tensors: the DataLoader queue moves those through shared memory
-    instead of pickling tens of MB through a pipe. `_from_shared` turns them back into numpy.
-    (Images stay PIL: for images of a few hundred kB, a shared-memory segment per image measured
-    slower than pickling them, benchmarks/data_pipeline.py.)"""
-    sample = item[0] if type(item) is _Timed else item
-    if isinstance(sample, Sample) and sample.videos:
-        import torch
-        for video in sample.videos:
-            video.frames = torch.from_numpy(video.frames)
-    return item
-
-
-def _from_shared(item: Any) -> Any:
-    sample = item[0] if type(item) is _Timed else item
-    if isinstance(sample, Sample):
-        for video in sample.videos:
-            if not hasattr(video.frames, "__array_interface__"):
-                video.frames = video.frames.numpy()
-    return item
-
-
-# Items a worker sends per message: one queue round trip per item costs more than decoding a
-# small image, so workers send chunks (the cursor still counts single items in the main process).
-WORKER_CHUNK = 16
+# Items a worker sends per message: one queue round trip (DataLoader bookkeeping, pipe, poll) per
+# item costs more than decoding a small image, so workers send chunks of up to WORKER_CHUNK items
+# or CHUNK_PIXEL_BYTES of pixels, whichever comes first (the cursor still counts single items).
+WORKER_CHUNK = 64
+CHUNK_PIXEL_BYTES = 32 << 20
 
 
 def _iterate_epoch_source(plan: _EpochPlan) -> Iterator[tuple[int, Any]]:
@@ -172,14 +154,17 @@ def _iterate_epoch_source(plan: _EpochPlan) -> Iterator[tuple[int, Any]]:
             yield 0, item
         yield 0, _StreamEnd()
         return
+    ring = PixelRing(plan.rings[info.id]) if plan.rings else None
     chunk: list[Any] = []
+    pixel_bytes = 0
     for item in _stream_items(plan, info.id):
-        chunk.append(_to_shared(item))  # shared memory only across processes
-        if len(chunk) == WORKER_CHUNK:
-            yield info.id, _stamp_sent(chunk) if plan.profile else chunk
-            chunk = []
+        chunk.append(item)
+        pixel_bytes += pixel_nbytes(item)
+        if len(chunk) == WORKER_CHUNK or pixel_bytes >= CHUNK_PIXEL_BYTES:
+            yield info.id, pack(_stamp_sent(chunk) if plan.profile else chunk, ring)  # pixels via shared memory
+            chunk, pixel_bytes = [], 0
     if chunk:
-        yield info.id, _stamp_sent(chunk) if plan.profile else chunk
+        yield info.id, pack(_stamp_sent(chunk) if plan.profile else chunk, ring)
     yield info.id, _StreamEnd()
 
 
@@ -239,7 +224,8 @@ class _Cursor:
         self.turn = self.good_in_epoch = 0
 
 
-def _merge(tagged: Iterator[tuple[int, Any]], cursor: _Cursor) -> Iterator[Any]:
+def _merge(tagged: Iterator[tuple[int, Any]], cursor: _Cursor,
+           rings: list[PixelRing] | None = None) -> Iterator[Any]:
     """Round-robin over the streams starting at cursor.turn, one item per turn, skipping ended
     streams; advances the cursor BEFORE handing an item out, so a state taken right after
     receiving it already counts it. Items that arrive early wait in per-stream queues."""
@@ -256,8 +242,8 @@ def _merge(tagged: Iterator[tuple[int, Any]], cursor: _Cursor) -> Iterator[Any]:
                 source, item = next(tagged)
             except StopIteration:
                 raise RuntimeError(f"data stream {s} ended without its end marker (a worker died?)") from None
-            if isinstance(item, list):  # a worker's chunk
-                queues[source].extend(item)
+            if isinstance(item, (list, RingChunk)):  # a worker's chunk
+                queues[source].extend(unpack(item, rings[source] if rings else None))
             else:
                 queues[source].append(item)
         item = queues[s].popleft()
@@ -266,7 +252,7 @@ def _merge(tagged: Iterator[tuple[int, Any]], cursor: _Cursor) -> Iterator[Any]:
             ended[s] = True
             continue
         cursor.consumed[s] += 1
-        yield _from_shared(item)
+        yield item
 
 
 # ----------------------------------------------------------------------------------------- stream
@@ -376,14 +362,31 @@ class ShardStream:
             yield from _merge(_iterate_epoch_source(plan), cursor)
             return
         import torch.utils.data
+        context = self._worker_context()
+        rings = self._make_rings(context)
+        plan.rings = [r.handle for r in rings] if rings else None
         source = _epoch_source_class()(plan)
         loader = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.num_workers,
-                                             collate_fn=_identity, multiprocessing_context=self._worker_context())
+                                             collate_fn=_identity, multiprocessing_context=context)
         it = iter(loader)
         try:
-            yield from _merge(it, cursor)
+            yield from _merge(it, cursor, rings)
         finally:
             del it  # shuts the workers down now, also when the consumer stops early
+            for ring in rings or []:
+                ring.close(unlink=True)
+
+    def _make_rings(self, context: str | None) -> list[PixelRing] | None:
+        """One pixel ring per worker for this epoch; None (pickle everything) where shared-memory
+        files cannot be made."""
+        import multiprocessing
+
+        try:
+            ctx = multiprocessing.get_context(context)
+            return [PixelRing.create(ctx) for _ in range(self.num_streams)]
+        except OSError as e:
+            warnings.warn(f"image hand-off through shared memory is off ({e}); images are pickled instead")
+            return None
 
     def _worker_context(self) -> str | None:
         """fork, unless a video decoder's native library is already live in this process: decord
