@@ -48,7 +48,8 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace, out_root:
     cmd = [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / "colors_demo.yaml"),
            f"run.seed={args.seed}", f"run.output_dir={run_dir}", f"run.stop_at_heldout_accuracy={args.target}",
            f"run.max_steps={args.max_steps}", "run.time_limit_s=null", "logging.progress_bar=false",
-           *overrides, *args.overrides]
+           # the algorithms are compared on learning alone: no held-out-accuracy rollbacks
+           "stability.heldout_drop=null", *overrides, *args.overrides]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     (out_root / f"{name}.log").write_text(proc.stdout + proc.stderr)

@@ -25,7 +25,11 @@ def _cmd(run_dir: Path, model: Path, data: Path) -> list[str]:
             f"model.path={model}", f"data.train_shards={data}/train-{{000000..000001}}.tar",
             f"data.heldout_shards={data}/heldout-000000.tar", f"run.output_dir={run_dir}", "run.max_steps=6",
             "rollout.prompts_per_step=8", "rollout.group_size=8", "eval.every_steps=3", "eval.num_prompts=32",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=3", "logging.progress_bar=false"]
+            "checkpoint.every_steps=2", "checkpoint.keep_last=3", "logging.progress_bar=false",
+            # the entropy bonus fades across the kill: a resumed run must use the same coefficients
+            "algorithm.entropy_schedule.kind=linear", "algorithm.entropy_schedule.start_step=3",
+            "algorithm.entropy_schedule.steps=4", "trainer.lr_schedule.kind=linear", "trainer.lr_schedule.start_step=3",
+            "trainer.lr_schedule.steps=4", "trainer.lr_schedule.end_factor=0.5"]
 
 
 def _env() -> dict[str, str]:
@@ -78,6 +82,8 @@ def test_resumed_run_matches_the_uninterrupted_run(runs: dict[str, Path]) -> Non
         for key in ("loss/pg", "actor/entropy", "actor/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (step, key, a[key], b[key])
         assert b["weight_version"] == a["weight_version"]
+        assert b["actor/entropy_coef"] == a["actor/entropy_coef"] == pytest.approx(0.1 * (1 - (step - 3) / 4))
+        assert b["train/lr"] == a["train/lr"] == pytest.approx(1e-3 * (1 - 0.5 * (step - 3) / 4))
     assert resumed[6]["eval/heldout_accuracy"] == straight[6]["eval/heldout_accuracy"]
     # the interrupted run kept only complete checkpoints
     names = sorted(p.name for p in (runs["resumed"] / "checkpoints").iterdir())

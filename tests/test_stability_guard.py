@@ -46,6 +46,38 @@ def test_threshold_rules_warmup_and_nan() -> None:
     assert not StabilityGuard(StabilityConfig(enabled=False)).observe(50, {"actor/entropy": 0.0}).collapse
 
 
+def test_heldout_drop_rolls_back_to_the_last_healthy_evaluation() -> None:
+    """Eval every 5 steps; the alarm of a bad evaluation stands until the next one, and the
+    rollback target is at or before the last healthy evaluation, not just the alarm's start."""
+    guard = StabilityGuard(StabilityConfig(enabled=True, warmup_steps=4, patience=3, reward_drop=None,
+                                           heldout_drop=0.15))
+    evals = {5: 0.5, 10: 0.97, 15: 0.90, 20: 0.75}  # 0.90 is within 0.15 of the best; 0.75 is not
+    verdicts = {step: guard.observe(step, {"eval/heldout_accuracy": evals[step]} if step in evals else {})
+                for step in range(1, 23)}
+    assert not any(v.reasons for s, v in verdicts.items() if s < 20)
+    assert [verdicts[s].collapse for s in (20, 21, 22)] == [False, False, True]
+    assert "0.750 is more than 0.15 below its best 0.970" in verdicts[22].reasons[0]
+    assert verdicts[22].first_alarm_step == 16  # last healthy evaluation: step 15
+    restored = StabilityGuard(guard.cfg)
+    restored.load_state_dict(guard.state_dict())
+    assert restored.state_dict() == guard.state_dict()
+    guard.after_rollback()  # the restored weights were healthy: the alarm is gone until the next evaluation
+    assert not guard.observe(23, {}).reasons
+    assert guard.observe(25, {"eval/heldout_accuracy": 0.80}).reasons  # the best (0.97) is remembered
+    assert not guard.observe(30, {"eval/heldout_accuracy": 0.96}).reasons
+
+
+def test_heldout_rule_is_off_by_default_and_in_warmup() -> None:
+    guard = StabilityGuard(StabilityConfig(enabled=True, warmup_steps=10, patience=1, reward_drop=None))
+    assert not guard.observe(5, {"eval/heldout_accuracy": 1.0}).reasons
+    assert not guard.observe(20, {"eval/heldout_accuracy": 0.0}).reasons  # heldout_drop null: off
+    warm = StabilityGuard(StabilityConfig(enabled=True, warmup_steps=10, patience=1, reward_drop=None,
+                                          heldout_drop=0.1))
+    warm.observe(5, {"eval/heldout_accuracy": 1.0})
+    assert not warm.observe(10, {"eval/heldout_accuracy": 0.2}).reasons  # still warming up
+    assert warm.observe(15, {"eval/heldout_accuracy": 0.2}).collapse
+
+
 _SCRIPT = textwrap.dedent("""
     import json, sys
     import ray

@@ -35,6 +35,8 @@ def test_demo_config_learns(tiny_model_dir: Path, colors_dir: Path, tmp_path: Pa
     for key in ["reward/mean", "loss/pg", "actor/entropy", "actor/clip_fraction", "mismatch/mean_abs_logprob_diff",
                 "time/data_wait_s", "time/rollout_s", "time/reward_s", "time/train_s", "time/weight_sync_s"]:
         assert all(key in r for r in steps), key
+    # the demo's entropy bonus holds at 0.1 until its schedule starts fading it (step 150)
+    assert all(r["actor/entropy_coef"] == 0.1 for r in steps if r["step"] <= 150)
     first10 = sum(r["reward/mean"] for r in steps[:10]) / 10
     last10 = sum(r["reward/mean"] for r in steps[-10:]) / 10
     # the mean reward climbs from ~0 (the run stops as soon as held-out accuracy reaches 0.6)

@@ -195,6 +195,22 @@ class DynamicSamplingConfig:
     max_rounds: int = 4  # rollout rounds per step at most; then train on what was kept
 
 
+class ScheduleKind(str, Enum):
+    constant = "constant"
+    linear = "linear"  # the start value until start_step, then a straight line to the end value over `steps`
+    cosine = "cosine"  # the same along a half cosine
+
+
+@dataclass
+class EntropyScheduleConfig:
+    """How the entropy bonus fades once learning is done (mmrl/algorithms/entropy.py says why)."""
+
+    kind: ScheduleKind = ScheduleKind.constant
+    start_step: int = 0
+    steps: int = 0
+    end_coef: float = 0.0
+
+
 @dataclass
 class AlgorithmConfig:
     advantage: str = "grpo"
@@ -207,6 +223,7 @@ class AlgorithmConfig:
     loss_agg: LossAgg = LossAgg.token_mean
     # Entropy bonus: a tiny random policy stalls without it (see ALGORITHMS/STACK notes).
     entropy_coef: float = 0.0
+    entropy_schedule: EntropyScheduleConfig = field(default_factory=EntropyScheduleConfig)
     # Optimizer updates per rollout batch = ppo_epochs x mini_batches. Above 1, pi_old is
     # recomputed once before the first update (the "logprob" span).
     ppo_epochs: int = 1
@@ -228,12 +245,25 @@ class LoraConfig:
 
 
 @dataclass
+class LRScheduleConfig:
+    """trainer.lr x a factor: linear warm-up over `warmup_steps`, then (linear/cosine) from 1 to
+    `end_factor` over `steps` steps after `start_step`. The guard's lr_scale multiplies on top."""
+
+    kind: ScheduleKind = ScheduleKind.constant
+    warmup_steps: int = 0
+    start_step: int = 0
+    steps: int = 0
+    end_factor: float = 1.0
+
+
+@dataclass
 class TrainerConfig:
     world_size: int = 2
     lr: float = 1e-6
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     # Sequences per forward/backward on one rank (an upper bound when the token budget is set).
     micro_batch_size: int = 64
     # Token budget per micro-batch: rows x padded length (prompt tokens, vision tokens included,
@@ -265,6 +295,8 @@ class StabilityConfig:
     window: int = 5  # steps averaged for the reward rule
     patience: int = 2
     reward_drop: Optional[float] = 0.3  # window-mean reward this far below its best window mean
+    # eval/heldout_accuracy this far below its best; the alarm stands until the next evaluation
+    heldout_drop: Optional[float] = None
     min_entropy: Optional[float] = None
     max_entropy: Optional[float] = None
     max_kl: Optional[float] = None

@@ -1,10 +1,12 @@
 """Stability guard: declares a collapse from per-step metrics by configurable rules.
 
 RL runs on VLMs die by collapse: reward falls off a cliff, entropy goes to 0 (or explodes),
-the KL or the gradient norm shoots up, or the sampler and the trainer drift apart. Each rule
-below watches one of those; a rule that holds for `patience` consecutive steps (after
-`warmup_steps`) declares a collapse. The loop then rolls back to the newest checkpoint saved
-before the first alarming step and applies the remedy (StabilityConfig).
+the KL or the gradient norm shoots up, the sampler and the trainer drift apart, or the policy
+slowly forgets what it had learned (held-out accuracy sinks while the training reward, sampled
+at temperature, still looks fine). Each rule below watches one of those; a rule that holds for
+`patience` consecutive steps (after `warmup_steps`) declares a collapse. The loop then rolls
+back to the newest checkpoint saved before the first alarming step (for the held-out rule: at
+or before the last healthy evaluation) and applies the remedy (StabilityConfig).
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ class StabilityGuard:
         self.streak = 0
         self.streak_start: int | None = None
         self.rollbacks = 0
+        self.best_heldout = -np.inf
+        self.last_healthy_eval_step: int | None = None
+        self.heldout_alarm: str | None = None  # stands from a bad evaluation until the next one
 
     def observe(self, step: int, metrics: dict[str, Any]) -> Verdict:
         """Feed one step's metrics; returns whether the run has collapsed."""
@@ -60,6 +65,9 @@ class StabilityGuard:
                                f"its best {self.best_reward_window:.3f}")
             if not reasons:  # the best is only updated on healthy steps
                 self.best_reward_window = max(self.best_reward_window, window_mean)
+        self._observe_heldout(step, metrics.get("eval/heldout_accuracy"))
+        if self.heldout_alarm:
+            reasons.append(self.heldout_alarm)
         for name, metric, direction, threshold in _threshold_rules(self.cfg):
             value = metrics.get(metric)
             if value is None:
@@ -74,21 +82,41 @@ class StabilityGuard:
         else:
             self.streak, self.streak_start = 0, None
         if self.streak >= self.cfg.patience:
-            return Verdict(True, reasons, self.streak_start)
+            first = self.streak_start
+            if self.heldout_alarm and self.last_healthy_eval_step is not None:
+                # checkpoints after the last healthy evaluation may already hold the decline
+                first = min(first, self.last_healthy_eval_step + 1)
+            return Verdict(True, reasons, first)
         return Verdict(False, reasons)
+
+    def _observe_heldout(self, step: int, accuracy: float | None) -> None:
+        if accuracy is None or self.cfg.heldout_drop is None:
+            return
+        if step > self.cfg.warmup_steps and accuracy < self.best_heldout - self.cfg.heldout_drop:
+            self.heldout_alarm = (f"eval/heldout_accuracy = {accuracy:.3f} is more than {self.cfg.heldout_drop} below "
+                                  f"its best {self.best_heldout:.3f}")
+        else:
+            self.heldout_alarm = None
+            self.best_heldout = max(self.best_heldout, float(accuracy))
+            self.last_healthy_eval_step = step
 
     def after_rollback(self) -> None:
         """Start watching afresh (the restored policy gets a new warm window)."""
         self.rollbacks += 1
         self.rewards.clear()
         self.streak, self.streak_start = 0, None
+        self.heldout_alarm = None  # the restored weights were healthy when evaluated
 
     def state_dict(self) -> dict[str, Any]:
         return {"rewards": list(self.rewards), "best_reward_window": self.best_reward_window, "streak": self.streak,
-                "streak_start": self.streak_start, "rollbacks": self.rollbacks}
+                "streak_start": self.streak_start, "rollbacks": self.rollbacks, "best_heldout": self.best_heldout,
+                "last_healthy_eval_step": self.last_healthy_eval_step, "heldout_alarm": self.heldout_alarm}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rewards = deque(state["rewards"], maxlen=max(self.cfg.window, 1))
         self.best_reward_window = state["best_reward_window"]
         self.streak, self.streak_start = state["streak"], state["streak_start"]
         self.rollbacks = state["rollbacks"]
+        self.best_heldout = state.get("best_heldout", -np.inf)
+        self.last_healthy_eval_step = state.get("last_healthy_eval_step")
+        self.heldout_alarm = state.get("heldout_alarm")

@@ -6,12 +6,14 @@ collective (every rank gets a call, in the same order).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
 import ray
 import torch
 
+from mmrl.algorithms.entropy import entropy_coef_at
 from mmrl.algorithms.kl import kl_estimate
 from mmrl.config.schema import Config
 from mmrl.processors import ProcessedPrompt
@@ -110,13 +112,18 @@ def update_policy(trainers: Sequence[Any], cfg: Config, prompts: Sequence[Proces
         seq.advantage = adv
     metrics["rollout/groups_all_same_reward"] = float((rewards_BG == rewards_BG[:, :1]).all(1).float().mean())
     metrics["actor/advantage_abs_mean"] = float(advantages_BG.abs().mean())
+    schedule = cfg.algorithm.entropy_schedule
+    entropy_coef = entropy_coef_at(step, cfg.algorithm.entropy_coef, schedule.kind.value, schedule.start_step,
+                                   schedule.steps, schedule.end_coef)
+    metrics["actor/entropy_coef"] = entropy_coef
     with spans("train"):
         inputs: list[StepInputs] = plan_updates(
             seqs, world_size=len(trainers), mini_batches=cfg.algorithm.mini_batches, epochs=cfg.algorithm.ppo_epochs,
             micro_batch_size=cfg.trainer.micro_batch_size,
             max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, loss_agg=cfg.algorithm.loss_agg.value,
             seed=cfg.run.seed * 1_000_003 + step)
-        per_rank = ray.get([t.train_step.remote(x) for t, x in zip(trainers, inputs)])
+        per_rank = ray.get([t.train_step.remote(dataclasses.replace(x, entropy_coef=entropy_coef))
+                            for t, x in zip(trainers, inputs)])
     metrics.update(merge_rank_stats(per_rank))
     metrics["actor/micro_batches"] = float(sum(len(m.micro_batches) for m in inputs[0].mini_batches))
     return metrics

@@ -23,6 +23,7 @@ from mmrl.controller.loop import Runtime, _prompts, evaluate, run_step, start_ru
 from mmrl.controller.metrics import MetricsLogger
 from mmrl.data.sample import Sample
 from mmrl.processors import ProcessedPrompt
+from mmrl.utils.schedule import scheduled, warmup_factor
 from mmrl.utils.timing import StepSpans
 from mmrl.utils.trace import TraceWriter
 
@@ -91,6 +92,14 @@ def _sync_engines(rt: Runtime, new_version: bool) -> None:
     ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, rt.cfg.weight_sync.bucket_mb) for t in rt.trainers])
 
 
+def scheduled_lr(cfg: Config, step: int, lr_scale: float = 1.0) -> float:
+    """The learning rate of step `step`: trainer.lr x warm-up x trainer.lr_schedule x the guard's
+    lr_scale (a function of the step and the rollbacks so far: resumes are exact)."""
+    s = cfg.trainer.lr_schedule
+    factor = scheduled(step, 1.0, s.end_factor, s.kind.value, s.start_step, s.steps)
+    return cfg.trainer.lr * lr_scale * warmup_factor(step, s.warmup_steps) * factor
+
+
 def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
     """Run `cfg` to the end; return a summary (final/best held-out accuracy, steps, wall time)."""
     hooks = hooks or TrainHooks()
@@ -132,7 +141,12 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
         # at step N then implies every record up to N exists, whenever the run is killed. Its
         # time counts in the next step (time/checkpoint_s), whose spans start before it.
         spans, t_step = StepSpans(), time.time()
+        lr_set = None  # what the trainers hold now (None: unknown, set it)
         while step <= cfg.run.max_steps:
+            lr = scheduled_lr(cfg, step, lr_scale)
+            if lr != lr_set:
+                ray.get([t.set_lr.remote(lr) for t in rt.trainers])
+                lr_set = lr
             if hooks.before_step:
                 hooks.before_step(rt, step)
             with spans("data_wait"):
@@ -148,11 +162,12 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                 "data/rejected_prompts": float(len(batches.rejected)),
                 "data/bad_samples": float(sum(stream.bad_counts.values())),
                 "guard/alarm": float(bool(verdict.reasons)), "guard/rollbacks": float(guard.rollbacks),
-                "train/lr_scale": lr_scale,
+                "train/lr_scale": lr_scale, "train/lr": lr,
             })
             if verdict.collapse:
                 with spans("rollback"):
                     lr_scale = _rollback(rt, cfg, guard, verdict, step, batches, summary)
+                lr_set = None
                 last_good = latest_checkpoint(rt.run_dir)
                 metrics["guard/rollbacks"] = float(guard.rollbacks)
             metrics.update({**spans.metrics(), "time/step_s": time.time() - t_step, "time/wall_s": wall})
@@ -223,7 +238,7 @@ def _rollback(rt: Runtime, cfg: Config, guard: StabilityGuard, verdict: Any, ste
         raise CollapseError(f"collapse at step {step} ({reasons}) and no rollback possible: {why}")
     state = load_checkpoint(target, rt.trainers)
     lr_scale = state["lr_scale"] * cfg.stability.lr_scale
-    ray.get([t.set_lr.remote(cfg.trainer.lr * lr_scale) for t in rt.trainers])
+    ray.get([t.set_lr.remote(scheduled_lr(cfg, step, lr_scale)) for t in rt.trainers])
     _sync_engines(rt, new_version=True)
     if not cfg.stability.skip_batches:
         batches.rewind(state["data"])

@@ -32,10 +32,12 @@ class MiniBatch:
 @dataclass
 class StepInputs:
     """Everything one rank trains on for one rollout batch: `epochs` passes over `mini_batches`,
-    one optimizer step per mini-batch."""
+    one optimizer step per mini-batch. `entropy_coef`, when set, is this step's value of the
+    entropy bonus (algorithm.entropy_schedule) in place of the static LossSettings one."""
 
     mini_batches: list[MiniBatch]
     epochs: int = 1
+    entropy_coef: float | None = None
 
     @property
     def num_updates(self) -> int:

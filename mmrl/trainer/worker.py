@@ -10,6 +10,7 @@ import os
 import random
 import time
 from contextlib import nullcontext
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -178,6 +179,8 @@ class TrainerWorker:
         norm is not finite (nan/inf in the loss or the gradients) is skipped by DeepSpeed and
         counted here; the weights stay as they were."""
         spec = self.spec
+        loss_settings = spec.loss if inputs.entropy_coef is None else \
+            dataclasses.replace(spec.loss, entropy_coef=inputs.entropy_coef)
         t0 = time.time()
         sums = dict.fromkeys(SUM_KEYS, 0.0)
         max_diff, max_ratio, min_ratio = 0.0, 1.0, 1.0
@@ -191,7 +194,7 @@ class TrainerWorker:
                     run, _ = filler_for(chunk, fallback)
                     mb, logprobs_BT, entropy_BT = self._forward(run)
                     loss, stats = micro_batch_loss(
-                        self.policy_loss, spec.loss, logprobs_BT, entropy_BT, mb.mask_BT, mb.advantages_B,
+                        self.policy_loss, loss_settings, logprobs_BT, entropy_BT, mb.mask_BT, mb.advantages_B,
                         mb.behaviour_logprobs_BT, mb.old_logprobs_BT, mb.ref_logprobs_BT, scale)
                     self.engine.backward(loss, scale_wrt_gas=False)
                     for key in SUM_KEYS:
