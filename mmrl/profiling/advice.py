@@ -175,7 +175,7 @@ class Context:
 
     def consumer_s(self) -> float:
         """Consumer work per sample. When the consumer is the slow side its time in next() is not
-        waiting for workers but receiving (pipe + unpickling the decoded media): work, too."""
+        waiting for workers but receiving (unpickling, copying images out of shared memory): work, too."""
         extra = ("handoff_wait",) if self.limit == "consumer" else ()
         return self.per_sample(CONSUMER_STAGES + extra)
 
