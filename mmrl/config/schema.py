@@ -145,6 +145,10 @@ class RewardExecutionConfig:
     num_workers: int = 1
     timeout_s: float = 30.0
     on_error: OnRewardError = OnRewardError.zero
+    # Ray resources per reward worker. Model rewards on a GPU (clip_score with device=cuda,
+    # vlm_judge's vLLM engine) need num_gpus > 0; a fraction lets workers share one GPU.
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
 
 
 class KLPlacement(str, Enum):

@@ -126,7 +126,8 @@ def start_runtime(cfg: Config) -> Runtime:
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
     rewards = RewardPool([{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards],
                          num_workers=cfg.reward_execution.num_workers, timeout_s=cfg.reward_execution.timeout_s,
-                         on_error=cfg.reward_execution.on_error.value, start_timeout_s=300.0)
+                         on_error=cfg.reward_execution.on_error.value, start_timeout_s=300.0,
+                         actor_options=next(p for p in plan if p.role == "reward").ray_options())
     ray.get([t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines])
     return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
                    sampling=sampling, engines=engines, trainers=trainers)

@@ -26,8 +26,7 @@ def placement_plan(cfg: Config, device: str) -> list[Placement]:
     tp = int(cfg.rollout.engine_args.get("tensor_parallel_size", 1))
     plan = [Placement("driver", 0, {"CPU": 0.0},
                       f"controller loop, shard stream ({cfg.data.num_workers} loader workers), "
-                      f"processor '{cfg.processor.name}', rewards "
-                      f"{', '.join(r.name for r in cfg.rewards)}, metrics")]
+                      f"processor '{cfg.processor.name}', reward streaming, metrics")]
     for i in range(cfg.rollout.num_engines):
         res = {"CPU": cfg.cluster.rollout_cpus_per_engine}
         if gpu:
@@ -36,6 +35,19 @@ def placement_plan(cfg: Config, device: str) -> list[Placement]:
                               f"vLLM engine ({'GPU x%d' % tp if gpu else 'CPU'}), agent loop "
                               f"'{cfg.rollout.agent_loop}', n={cfg.rollout.group_size}, "
                               f"~{-(-cfg.rollout.prompts_per_step // cfg.rollout.num_engines)} prompts/step"))
+    for w in range(cfg.reward_execution.num_workers):
+        res = {"CPU": cfg.reward_execution.num_cpus}
+        if cfg.reward_execution.num_gpus:
+            if not gpu:
+                from mmrl.config.load import ConfigError
+
+                raise ConfigError(f"Config key 'reward_execution.num_gpus' is {cfg.reward_execution.num_gpus:g} "
+                                  f"but this run has no "
+                                 f"GPU (device {device}): set reward_execution.num_gpus=0 and the rewards' device "
+                                 f"args to cpu, or run with cluster.device=cuda")
+            res["GPU"] = cfg.reward_execution.num_gpus
+        plan.append(Placement("reward", w, res, f"reward worker: {', '.join(r.name for r in cfg.rewards)} "
+                                               f"(timeout {cfg.reward_execution.timeout_s:g}s per call)"))
     for r in range(cfg.trainer.world_size):
         res = {"CPU": cfg.cluster.trainer_cpus_per_rank}
         if gpu:

@@ -1,0 +1,29 @@
+"""Which actor gets which Ray resources (`mmrl train --dry-run` prints the same plan). Pure
+planning: no GPU is needed to check the CUDA plan."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mmrl.config import load_config
+from mmrl.config.load import ConfigError
+from mmrl.controller.placement import format_plan, placement_plan
+
+DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "colors_demo.yaml")
+
+
+def test_cpu_plan_of_the_demo() -> None:
+    plan = placement_plan(load_config(DEMO, []), "cpu")
+    assert [p.role for p in plan] == ["driver", "rollout", "reward", "trainer", "trainer"]
+    assert all("GPU" not in p.resources for p in plan)
+    assert "total Ray resources requested: CPU=2" in format_plan(plan)
+
+
+def test_reward_workers_can_take_a_gpu_share_on_cuda() -> None:
+    cfg = load_config(DEMO, ["reward_execution.num_workers=2", "reward_execution.num_gpus=0.25",
+                             "reward_execution.num_cpus=1"])
+    rewards = [p for p in placement_plan(cfg, "cuda") if p.role == "reward"]
+    assert [p.ray_options() for p in rewards] == [{"num_cpus": 1.0, "num_gpus": 0.25}] * 2
+    with pytest.raises(ConfigError, match="reward_execution.num_gpus' is 0.25 but this run has no GPU"):
+        placement_plan(cfg, "cpu")
