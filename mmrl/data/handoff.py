@@ -6,9 +6,10 @@ decode on: a 224x224 RGB image is 150 kB; pickling it through the pipe cost abou
 its JPEG decode. So:
 
   images  each worker owns a ring of a few slots in a shared-memory file (created per epoch by
-          the main process). A worker writes a chunk's pixels into its next free slot and sends
-          only sizes and offsets; the main process copies each image out of the slot (the one
-          copy a PIL image needs) and frees the slot. A counting semaphore per ring says how
+          the main process). A worker copies a chunk's pixels into its next free slot in PIL's own
+          4-bytes-per-pixel layout (read through Pillow's Arrow export: no packing to RGB), and
+          sends only sizes and offsets; the main process copies each image out of the slot (the
+          one copy a PIL image needs) and frees the slot. A counting semaphore per ring says how
           many slots are free: no worker ever waits for one -- with none free, or a chunk too
           large for a slot, the chunk is pickled as before.
   videos  frames go as torch tensors, which torch moves through shared memory (one segment per
@@ -34,6 +35,11 @@ from mmrl.data.sample import Sample
 RING_SLOTS = 4  # a worker has at most ~prefetch_factor chunks in flight
 SLOT_BYTES = 64 << 20  # virtual size: only pages that pixels touch take memory
 _ALIGN = 64
+
+try:
+    import pyarrow as _ARROW
+except ImportError:  # pragma: no cover - pyarrow is a dependency; the copy path still works
+    _ARROW = None
 
 
 def _shm_dir() -> str:
@@ -89,7 +95,7 @@ class PixelRing:
 
 
 class _RingImage:
-    """Placeholder for an RGB image at [offset, offset + w*h*3) of the chunk's slot."""
+    """Placeholder for an RGB image at [offset, offset + w*h*4) of the chunk's slot (RGBX layout)."""
 
     __slots__ = ("size", "offset")
 
@@ -104,6 +110,18 @@ class RingChunk:
 
     def __init__(self, items: list[Any], slot: int):
         self.items, self.slot = items, slot
+
+
+def _rgbx(image: Image.Image) -> np.ndarray:
+    """An RGB image's pixels as PIL holds them, 4 bytes per pixel (R, G, B, padding): a view of the
+    image's own memory through Pillow's Arrow export (no copy, no packing to 3 bytes), or a copy
+    in the same layout where the export is unavailable (older Pillow, an image in several blocks)."""
+    if _ARROW is not None and hasattr(image, "__arrow_c_array__"):
+        try:
+            return _ARROW.array(image).values.to_numpy(zero_copy_only=True)
+        except (ValueError, TypeError, _ARROW.ArrowException):
+            pass
+    return np.frombuffer(image.tobytes("raw", "RGBX"), dtype=np.uint8)
 
 
 def _sample_of(item: Any) -> Any:
@@ -138,7 +156,7 @@ def pack(chunk: list[Any], ring: PixelRing | None) -> RingChunk | list[Any]:
         for i, image in enumerate(sample.images):
             if image.mode == "RGB":  # decode_sample converts everything to RGB; anything else pickles
                 images.append((sample, i))
-                total += _aligned(image.width * image.height * 3)
+                total += _aligned(image.width * image.height * 4)
     if ring is None or not images or total > ring.handle.slot_bytes or not ring.handle.free.acquire(False):
         return chunk
     index = ring.next_slot
@@ -146,10 +164,10 @@ def pack(chunk: list[Any], ring: PixelRing | None) -> RingChunk | list[Any]:
     slot, offset = ring.slot(index), 0
     for sample, i in images:
         image = sample.images[i]
-        data = image.tobytes()
-        slot[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        pixels = _rgbx(image)
+        slot[offset:offset + pixels.size] = pixels
         sample.images[i] = _RingImage(image.size, offset)
-        offset += _aligned(len(data))
+        offset += _aligned(pixels.size)
     return RingChunk(chunk, index)
 
 
@@ -171,7 +189,7 @@ def unpack(packed: RingChunk | list[Any], ring: PixelRing | None) -> list[Any]:
             if isinstance(image, _RingImage):
                 w, h = image.size
                 rebuilt = Image.new("RGB", (w, h), None)  # no fill: every pixel is written next
-                rebuilt.frombytes(memoryview(slot[image.offset:image.offset + w * h * 3]))
+                rebuilt.frombytes(memoryview(slot[image.offset:image.offset + w * h * 4]), "raw", "RGBX")
                 sample.images[i] = rebuilt
     if slot is not None:
         ring.handle.free.release()
