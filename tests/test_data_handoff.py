@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmrl.data.handoff import PixelRing, RingChunk, _shm_dir, pack, pixel_nbytes, unpack
+from mmrl.data.handoff import PixelRing, RingChunk, _shm_dir, pack, pixel_nbytes, remove_orphan_rings, unpack
 from mmrl.data.recipes.colors import build
 from mmrl.data.sample import Sample, Video
 from mmrl.data.stream import ShardStream
@@ -82,3 +82,21 @@ def test_multi_worker_epoch_matches_in_process_and_cleans_up(tmp_path) -> None:
     assert direct.keys() == via_workers.keys() and len(direct) == 300
     assert all(np.array_equal(direct[k], via_workers[k]) for k in direct)
     assert set(glob.glob(os.path.join(_shm_dir(), "mmrl-ring-*"))) == before  # every epoch's rings unlinked
+
+
+def test_rings_of_killed_processes_are_removed(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = os.path.join(_shm_dir(), f"mmrl-ring-{int(dead.stdout)}-feedface0000")
+    mine = os.path.join(_shm_dir(), f"mmrl-ring-{os.getpid()}-feedface0001")
+    for path in (orphan, mine):
+        open(path, "wb").close()
+    try:
+        assert remove_orphan_rings() >= 1
+        assert not os.path.exists(orphan) and os.path.exists(mine)  # a live process keeps its rings
+    finally:
+        for path in (orphan, mine):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -20,6 +20,7 @@ benchmarks/data_pipeline.py measures the result against the decode-only bound.
 """
 from __future__ import annotations
 
+import glob
 import mmap
 import os
 import tempfile
@@ -44,6 +45,31 @@ except ImportError:  # pragma: no cover - pyarrow is a dependency; the copy path
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def remove_orphan_rings() -> int:
+    """Delete ring files whose creating process is gone (it was killed before its clean-up ran)."""
+    removed = 0
+    for path in glob.glob(os.path.join(_shm_dir(), "mmrl-ring-*-*")):
+        pid = os.path.basename(path).split("-")[2]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:  # another user's file, or already gone
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 @dataclass
@@ -74,6 +100,7 @@ class PixelRing:
 
     @classmethod
     def create(cls, context: Any, slots: int = RING_SLOTS, slot_bytes: int = SLOT_BYTES) -> "PixelRing":
+        remove_orphan_rings()
         path = os.path.join(_shm_dir(), f"mmrl-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         return cls(RingHandle(path, slots, slot_bytes, context.Semaphore(slots)), create=True)
 
