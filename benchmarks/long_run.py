@@ -5,7 +5,8 @@
 Runs the real `mmrl train configs/colors_demo.yaml run.max_steps=STEPS` (no time limit; the
 config's checkpoints and stability guard as shipped) in benchmarks/results/runs/long_run. If the
 command is interrupted, running it again resumes from the newest checkpoint. Prints the first
-step that reaches --hold, the lowest held-out accuracy after it, and the guard's rollbacks;
+step that reaches --hold, the lowest held-out accuracy after it, the step from which every
+evaluation stays at or above --hold (and the lowest after it), and the guard's rollbacks;
 writes benchmarks/results/long_run.{json,png}.
 """
 from __future__ import annotations
@@ -28,7 +29,12 @@ def summarise(run_dir: Path, hold: float) -> dict:
     rollbacks = []
     if (run_dir / "guard.jsonl").exists():
         rollbacks = [json.loads(line) for line in (run_dir / "guard.jsonl").read_text().splitlines()]
+    # settled: from this evaluation on, every evaluation is at or above `hold`
+    settled = next((s for i, (s, _) in enumerate(curve) if all(a >= hold for _, a in curve[i:])), None)
+    after_settled = [a for s, a in curve if settled is not None and s >= settled]
     return {"steps": rows[-1]["step"], "curve": curve, "first_step_at_hold": first,
+            "settled_step": settled, "min_after_settled": min(after_settled) if after_settled else None,
+            "evals_after_settled": len(after_settled),
             "min_after_first": min(after) if after else None,
             "evals_below_hold_after_first": sum(a < hold for a in after), "evals_after_first": len(after),
             "final": curve[-1][1] if curve else None, "rollbacks": rollbacks,
@@ -83,8 +89,9 @@ def main() -> None:
     plot(summary, args.hold, out / "long_run.png")
     print(f"steps {summary['steps']}; first reached {args.hold} at step {summary['first_step_at_hold']}; lowest "
           f"held-out accuracy after that {summary['min_after_first']}; evaluations below {args.hold} after it: "
-          f"{summary['evals_below_hold_after_first']}/{summary['evals_after_first']}; final {summary['final']}; "
-          f"guard rollbacks: {len(summary['rollbacks'])}")
+          f"{summary['evals_below_hold_after_first']}/{summary['evals_after_first']}; at or above {args.hold} at every "
+          f"evaluation from step {summary['settled_step']} on ({summary['evals_after_settled']} evaluations, lowest "
+          f"{summary['min_after_settled']}); final {summary['final']}; guard rollbacks: {len(summary['rollbacks'])}")
 
 
 if __name__ == "__main__":
