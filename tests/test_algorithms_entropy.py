@@ -60,11 +60,11 @@ def test_learning_rate_schedule_warmup_decay_and_guard_scale() -> None:
     cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"),
                       ["trainer.lr=1e-3", "trainer.lr_schedule.kind=linear", "trainer.lr_schedule.warmup_steps=4",
                        "trainer.lr_schedule.start_step=10", "trainer.lr_schedule.steps=10",
-                       "trainer.lr_schedule.end_factor=0.1"])
+                       "trainer.lr_schedule.end_factor=0.1"], check_files=False)
     assert scheduled_lr(cfg, 1) == pytest.approx(0.25e-3)  # warm-up 1/4
     assert scheduled_lr(cfg, 4) == scheduled_lr(cfg, 10) == pytest.approx(1e-3)
     assert scheduled_lr(cfg, 15) == pytest.approx(0.55e-3)
     assert scheduled_lr(cfg, 20) == scheduled_lr(cfg, 900) == pytest.approx(1e-4)
     assert scheduled_lr(cfg, 15, lr_scale=0.5) == pytest.approx(0.275e-3)  # after a rollback
-    constant = load_config(str(REPO / "configs" / "colors_demo.yaml"), ["trainer.lr_schedule.kind=constant"])
+    constant = load_config(str(REPO / "configs" / "colors_demo.yaml"), ["trainer.lr_schedule.kind=constant"], check_files=False)
     assert scheduled_lr(constant, 1) == scheduled_lr(constant, 10_000) == constant.trainer.lr

@@ -14,7 +14,7 @@ DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "colors_demo.yaml")
 
 
 def test_cpu_plan_of_the_demo() -> None:
-    plan = placement_plan(load_config(DEMO, []), "cpu")
+    plan = placement_plan(load_config(DEMO, [], check_files=False), "cpu")
     assert [p.role for p in plan] == ["driver", "rollout", "reward", "trainer", "trainer"]
     assert all("GPU" not in p.resources for p in plan)
     assert "total Ray resources requested: CPU=2" in format_plan(plan)
@@ -22,7 +22,7 @@ def test_cpu_plan_of_the_demo() -> None:
 
 def test_reward_workers_can_take_a_gpu_share_on_cuda() -> None:
     cfg = load_config(DEMO, ["reward_execution.num_workers=2", "reward_execution.num_gpus=0.25",
-                             "reward_execution.num_cpus=1"])
+                             "reward_execution.num_cpus=1"], check_files=False)
     rewards = [p for p in placement_plan(cfg, "cuda") if p.role == "reward"]
     assert [p.ray_options() for p in rewards] == [{"num_cpus": 1.0, "num_gpus": 0.25}] * 2
     with pytest.raises(ConfigError, match="reward_execution.num_gpus' is 0.25 but this run has no GPU"):
