@@ -1,5 +1,5 @@
-"""Which actor gets which Ray resources (`mmrl train --dry-run` prints the same plan). Pure
-planning: no GPU is needed to check the CUDA plan."""
+"""Which actor gets which Ray resources (`mmrl train --dry-run` prints the same plan; pure planning:
+no GPU is needed to check the CUDA plan), and the process environment the actors start with."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,3 +27,27 @@ def test_reward_workers_can_take_a_gpu_share_on_cuda() -> None:
     assert [p.ray_options() for p in rewards] == [{"num_cpus": 1.0, "num_gpus": 0.25}] * 2
     with pytest.raises(ConfigError, match="reward_execution.num_gpus' is 0.25 but this run has no GPU"):
         placement_plan(cfg, "cpu")
+
+
+def test_stale_torch_extension_build_locks_are_removed(tmp_path) -> None:
+    """A build killed mid-way leaves a lock that torch waits on forever (every later DeepSpeed
+    init would hang); a fresh lock (a build in progress) is left alone."""
+    import os
+    import time
+
+    from mmrl.utils.env import remove_stale_build_locks, torch_extensions_dir
+
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    with pytest.warns(UserWarning, match="stale torch extension build lock"):
+        assert remove_stale_build_locks(tmp_path) == [str(stale)]
+    assert not stale.exists() and fresh.exists()
+    import sys
+    import hashlib
+
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        assert torch_extensions_dir().endswith(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])

@@ -4,7 +4,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 
@@ -32,8 +35,7 @@ def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | 
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_CACHE_ROOT": str(run / ".cache" / "vllm"),
         "VLLM_RPC_BASE_PATH": rpc_dir(run),
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                               str(Path.home() / ".cache" / "mmrl" / "torch_extensions")),
+        "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
     }
     if device == "cpu":
         env.update({"DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
@@ -41,6 +43,35 @@ def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | 
     for key in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH"):
         Path(env[key]).mkdir(parents=True, exist_ok=True)
     return env
+
+
+STALE_BUILD_LOCK_S = 600.0  # DeepSpeed's CPU ops build in about a minute
+
+
+def torch_extensions_dir() -> str:
+    """Where DeepSpeed JIT-builds its CPU ops: one directory per Python environment (two venvs
+    sharing one rebuild each other's ops, since their include paths differ), with stale build
+    locks removed first: torch waits forever on the lock file of a build whose process was
+    killed, and every later run would hang in DeepSpeed's init."""
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+        Path.home() / ".cache" / "mmrl" / "torch_extensions" / hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])
+    remove_stale_build_locks(base)
+    return base
+
+
+def remove_stale_build_locks(base: str | os.PathLike, max_age_s: float = STALE_BUILD_LOCK_S) -> list[str]:
+    """Delete `*/lock` files under `base` older than `max_age_s` (a live build refreshes nothing,
+    but finishes long before); returns what was removed."""
+    removed = []
+    for lock in Path(base).glob("*/lock"):
+        try:
+            if time.time() - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                removed.append(str(lock))
+                warnings.warn(f"removed a stale torch extension build lock {lock} (its build was interrupted)")
+        except OSError:
+            pass
+    return removed
 
 
 def rpc_dir(run_dir: str | os.PathLike) -> str:
