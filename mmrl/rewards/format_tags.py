@@ -11,7 +11,6 @@ Parsing is by string search, linear in the response length (no backtracking rege
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from mmrl.registry import register
 from mmrl.rewards._text import as_text

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -39,44 +37,12 @@ from mmrl.data.sample import Sample
 from mmrl.rewards.base import RewardSet
 from mmrl.rewards.report import (ON_ERROR_POLICIES, WORKER, FailureRecord, GroupResult, RewardFailure,
                                  RewardReport, describe_exception)
-from mmrl.rewards.scorer import GroupScorer
+from mmrl.rewards.scorer import remote_worker_class
 
 __all__ = ["RewardPool", "RewardHandle"]
 
 # The historical name (the pool lived in workers.py): users' logging configuration keeps working.
 logger = logging.getLogger("mmrl.rewards.workers")
-
-
-class _RewardWorker:
-    """The Ray actor body: one RewardSet (shipped by spec, resolved here) and a GroupScorer."""
-
-    def __init__(self, rewards: RewardSet, timeout_s: float | None):
-        self.scorer = GroupScorer(rewards, timeout_s)
-
-    def ready(self) -> dict[str, Any]:
-        """Import every reward and run its setup hook (model loading) here, before any timed
-        call; report a failure instead of raising."""
-        try:
-            self.scorer.setup()
-        except Exception as e:
-            return {"ok": False, "error": describe_exception(e), "traceback": traceback.format_exc(), "pid": os.getpid()}
-        return {"ok": True, "names": self.scorer.rewards.names, "pid": os.getpid(), "cwd": os.getcwd()}
-
-    def score_group(self, sample: Sample, texts: Sequence[str],
-                    response_ids: Sequence[Iterable[int] | None] | None) -> dict[str, Any]:
-        return self.scorer.score_group(sample, texts, response_ids)
-
-
-_REMOTE_WORKER: Any = None
-
-
-def _remote_worker_class() -> Any:
-    global _REMOTE_WORKER
-    if _REMOTE_WORKER is None:
-        import ray
-
-        _REMOTE_WORKER = ray.remote(_RewardWorker)
-    return _REMOTE_WORKER
 
 
 # ----------------------------------------------------------------------------------- the pool
@@ -167,7 +133,7 @@ class RewardPool:
 
     # -- actors
     def _new_state(self) -> _ActorState:
-        actor = _remote_worker_class().options(**self.actor_options).remote(self.rewards, self.timeout_s)
+        actor = remote_worker_class().options(**self.actor_options).remote(self.rewards, self.timeout_s)
         return _ActorState(actor, ready_ref=actor.ready.remote())
 
     def _check_ready(self, ref: Any) -> None:

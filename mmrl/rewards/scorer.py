@@ -1,7 +1,8 @@
 """Scoring groups of responses in one process, each reward call isolated and timed out.
 
-`GroupScorer` is what runs inside every reward worker (`pool.py`) and in-process in
-`mmrl rewards check`. Per reward it picks the variant's path (`variants.py`):
+`GroupScorer` is what runs inside every reward worker (`RewardWorker`, the Ray actor body that
+`pool.py` starts) and in-process in `mmrl rewards check`. Per reward it picks the variant's
+path (`variants.py`):
 
   plain     one call per response, each in a helper thread abandoned after `timeout_s`; after a
             timeout the reward's remaining calls on that sample are skipped (counted as timeouts)
@@ -28,7 +29,7 @@ from mmrl.rewards.calling import CallTimeout, _call, call_batch, gather_async, r
 from mmrl.rewards.report import describe_exception
 from mmrl.rewards.variants import traits_of
 
-__all__ = ["GroupScorer"]
+__all__ = ["GroupScorer", "RewardWorker", "remote_worker_class"]
 
 # (status, value, traceback): ("ok", {"score": ...}, "") or ("error" | "timeout", message, traceback)
 Outcome = tuple[str, Any, str]
@@ -191,3 +192,38 @@ class GroupScorer:
         """({"score": ..., "<name>/<comp>": ...}, [failure dicts]) for one response."""
         result = self.score_group(sample, [response], [response_ids])
         return result["scores"][0], result["failures"]
+
+
+# ------------------------------------------------------------------- the reward worker actor
+
+class RewardWorker:
+    """The Ray actor body: one RewardSet (shipped by spec, resolved here) and a GroupScorer."""
+
+    def __init__(self, rewards: RewardSet, timeout_s: float | None):
+        self.scorer = GroupScorer(rewards, timeout_s)
+
+    def ready(self) -> dict[str, Any]:
+        """Import every reward and run its setup hook (model loading) here, before any timed
+        call; report a failure instead of raising."""
+        try:
+            self.scorer.setup()
+        except Exception as e:
+            return {"ok": False, "error": describe_exception(e), "traceback": traceback.format_exc(), "pid": os.getpid()}
+        return {"ok": True, "names": self.scorer.rewards.names, "pid": os.getpid(), "cwd": os.getcwd()}
+
+    def score_group(self, sample: Sample, texts: Sequence[str],
+                    response_ids: Sequence[Iterable[int] | None] | None) -> dict[str, Any]:
+        return self.scorer.score_group(sample, texts, response_ids)
+
+
+_REMOTE_WORKER: Any = None
+
+
+def remote_worker_class() -> Any:
+    """`RewardWorker` as a Ray actor class, made once per process (Ray is imported lazily)."""
+    global _REMOTE_WORKER
+    if _REMOTE_WORKER is None:
+        import ray
+
+        _REMOTE_WORKER = ray.remote(RewardWorker)
+    return _REMOTE_WORKER

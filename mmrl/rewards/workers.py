@@ -4,7 +4,7 @@ The pieces live in focused modules; this one gathers their public names:
 
   report.py     GroupResult, RewardReport, FailureRecord, RewardFailure (plain data, no Ray)
   scorer.py     GroupScorer: scores a group in one process, each call isolated and timed out;
-                plain, batched and async rewards (variants.py)
+                plain, batched and async rewards (variants.py); RewardWorker, the Ray actor body
   pool.py       RewardPool: Ray worker actors, submit/as_completed/score, retries, deadlines
   streaming.py  RewardStream: scores groups as the agent loop reports them, overlapping rollout
 
