@@ -29,7 +29,7 @@ def _cmd(run_dir: Path, model: Path, data: Path) -> list[str]:
             # the entropy bonus fades across the kill: a resumed run must use the same coefficients
             "algorithm.entropy_schedule.kind=linear", "algorithm.entropy_schedule.start_step=3",
             "algorithm.entropy_schedule.steps=4", "trainer.lr_schedule.kind=linear", "trainer.lr_schedule.start_step=3",
-            "trainer.lr_schedule.steps=4", "trainer.lr_schedule.end_factor=0.5"]
+            "trainer.lr_schedule.steps=4", "trainer.lr_schedule.end_factor=0.5", "trainer.lr=1e-3"]
 
 
 def _env() -> dict[str, str]:

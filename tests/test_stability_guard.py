@@ -112,7 +112,8 @@ def test_injected_lr_spike_is_detected_and_rolled_back(tiny_model_dir: Path, col
                  "run.max_steps=14", "rollout.prompts_per_step=8", "rollout.group_size=8", "eval.every_steps=0",
                  "checkpoint.every_steps=4", "logging.progress_bar=false", "stability.enabled=true",
                  "stability.warmup_steps=3", "stability.patience=1", "stability.reward_drop=null",
-                 "stability.min_entropy=1.0", "stability.lr_scale=0.5"]
+                 "stability.min_entropy=1.0", "stability.lr_scale=0.5",
+                 "trainer.lr=1e-3"]  # the spike (3,000x) and the lr checks below are sized for it
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(REPO / "configs" / "colors_demo.yaml"), *overrides],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
