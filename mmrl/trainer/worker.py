@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import warnings
 from contextlib import nullcontext
 import dataclasses
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ class TrainerWorker:
             # ranks share the machine's cores; one thread each avoids oversubscription
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // spec.world_size))
         torch.manual_seed(spec.seed + rank)
+        # DeepSpeed's ZeRO-3 collectives call torch.distributed names that torch has deprecated;
+        # nothing a user can act on, and Ray repeats the warning on the console every step.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         self.engine: Any = None
 
     def setup(self) -> dict[str, Any]:
