@@ -2,6 +2,10 @@
 no GPU is needed to check the CUDA plan), and the process environment the actors start with."""
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +13,7 @@ import pytest
 from mmrl.config import load_config
 from mmrl.config.load import ConfigError
 from mmrl.controller.placement import format_plan, placement_plan
+from mmrl.utils.env import remove_stale_build_locks, torch_extensions_dir
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "colors_demo.yaml")
 
@@ -29,14 +34,9 @@ def test_reward_workers_can_take_a_gpu_share_on_cuda() -> None:
         placement_plan(cfg, "cpu")
 
 
-def test_stale_torch_extension_build_locks_are_removed(tmp_path) -> None:
+def test_stale_torch_extension_build_locks_are_removed(tmp_path: Path) -> None:
     """A build killed mid-way leaves a lock that torch waits on forever (every later DeepSpeed
     init would hang); a fresh lock (a build in progress) is left alone."""
-    import os
-    import time
-
-    from mmrl.utils.env import remove_stale_build_locks, torch_extensions_dir
-
     stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
     for lock in (stale, fresh):
         lock.parent.mkdir()
@@ -46,8 +46,12 @@ def test_stale_torch_extension_build_locks_are_removed(tmp_path) -> None:
     with pytest.warns(UserWarning, match="stale torch extension build lock"):
         assert remove_stale_build_locks(tmp_path) == [str(stale)]
     assert not stale.exists() and fresh.exists()
-    import sys
-    import hashlib
 
-    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
-        assert torch_extensions_dir().endswith(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])
+
+def test_torch_extensions_dir_is_per_python_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    expected = tmp_path / ".cache" / "mmrl" / "torch_extensions" / hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    assert torch_extensions_dir() == str(expected)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))  # the user's choice wins
+    assert torch_extensions_dir() == str(tmp_path / "mine")
