@@ -70,7 +70,9 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace, out_root:
     curve = [(r["step"], r["eval/heldout_accuracy"]) for r in rows if "eval/heldout_accuracy" in r]
     rewards = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
     hit = next((s for s, a in curve if a >= args.target), None)
-    return {"name": name, "overrides": overrides, "curve": curve, "rewards": rewards, "steps_to_target": hit,
+    # what the run actually used, command-line extras included, so a result can be rerun from its row
+    return {"name": name, "overrides": [*overrides, *args.overrides], "max_steps": args.max_steps,
+            "curve": curve, "rewards": rewards, "steps_to_target": hit,
             "final_accuracy": curve[-1][1], "best_accuracy": max(a for _, a in curve), "wall_s": time.time() - t0,
             "mean_step_s": sum(r.get("time/step_s", 0.0) for r in rows[1:]) / max(1, len(rows) - 1)}
 
