@@ -26,6 +26,13 @@ def image_bytes(colour=(200, 30, 30), size=(24, 16), fmt="PNG", mode="RGB", **kw
     return buf.getvalue()
 
 
+# What the Qwen-VL processors refuse (aspect ratio above 200: a web banner, 1xN strips), and odd
+# images they accept (smaller than one 14-pixel patch: upscaled; 200:1 is the limit itself). The
+# quarantine corpus and the `mmrl train` test through refused images use both lists.
+REFUSED_IMAGE_SIZES = [(8000, 12), (1, 300), (300, 1), (201, 1), (12, 8000)]
+ACCEPTED_ODD_IMAGE_SIZES = [(1, 1), (3, 40), (40, 3), (13, 13), (200, 1), (2, 2)]
+
+
 def bomb_png(width: int = 20_000, height: int = 20_000) -> bytes:
     """A valid small PNG whose header claims width x height pixels (a decompression bomb's
     signature: the guard must reject it from the header, before decoding a single row)."""

@@ -99,3 +99,24 @@ def test_video_stats(tmp_path, capsys):
     assert stats["media"]["video_size"]["median"] == [48, 32]
     assert main(["data", "inspect", str(tmp_path)]) == 0
     assert "video frames" in capsys.readouterr().out
+
+
+def test_model_processor_limits_report_refused_images(tmp_path, tiny_model_dir, capsys):
+    """With --model the shards are checked against that model's processor limits, as training checks
+    them in the loader workers: a banner and a 1xN strip are bad (processor_limit); tiny images are not."""
+    from _data_media import image_bytes, js
+
+    sizes = {"banner": (8000, 12), "strip": (1, 300), "tiny": (1, 1), "small": (13, 13), "normal": (64, 48)}
+    url = write_tar(tmp_path / "odd-000000.tar", [(k, {"json": js(prompt="What colour?", answer="red"),
+                                                         "png": image_bytes(size=wh)}) for k, wh in sizes.items()])
+    plain = inspect_shards(url)
+    assert plain["samples"]["good"] == 5 and plain["media_limits"] is None
+    stats = inspect_shards(url, model=str(tiny_model_dir))
+    assert stats["samples"]["good"] == 3 and stats["bad"]["reasons"] == {"processor_limit": 2}
+    examples = stats["bad"]["examples"]["processor_limit"]
+    assert {e["key"] for e in examples} == {"banner", "strip"}
+    assert all("aspect ratio" in e["detail"] for e in examples)
+    assert stats["media_limits"]["max_aspect_ratio"] == 200.0
+    assert main(["data", "inspect", url, "--model", str(tiny_model_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "processor_limit" in out and "qwen_vl processor" in out

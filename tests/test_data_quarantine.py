@@ -8,14 +8,17 @@ import random
 from collections import Counter
 
 import pytest
-from _data_media import bomb_png, encode_video, gray_frames, image_bytes, js, write_tar
+from _data_media import (ACCEPTED_ODD_IMAGE_SIZES, REFUSED_IMAGE_SIZES, bomb_png, encode_video, gray_frames,
+                         image_bytes, js, write_tar)
 
 from mmrl.data.decode import DecodeOptions
 from mmrl.data.quarantine import REASONS
 from mmrl.data.stream import ShardStream, TooManyBadSamples
+from mmrl.processors.qwen_vl import qwen_media_limits
 
 PER_KIND = 5
-DECODE = DecodeOptions(fps=2.0, max_frames=8, decoders=("decord", "pyav"))
+# with the limits a Qwen2.5-VL run puts into its stream (checked in the workers)
+DECODE = DecodeOptions(fps=2.0, max_frames=8, decoders=("decord", "pyav"), media_limits=qwen_media_limits("qwen2_5_vl"))
 
 
 def _bad_kinds(mp4: bytes, jpg: bytes, png: bytes) -> dict[str, list[tuple[str, list[tuple[str, bytes]]]]]:
@@ -45,11 +48,14 @@ def _bad_kinds(mp4: bytes, jpg: bytes, png: bytes) -> dict[str, list[tuple[str, 
                                  ("video placeholder, no video", [("json", js(prompt="see <video>")),
                                                                  ("jpg", jpg)])],
         "duplicate_member": [("json twice", [("json", prompt), ("jpg", jpg), ("json", prompt)])],
+        "processor_limit": [(f"{w}x{h} image", [("json", prompt), ("png", image_bytes(size=(w, h)))])
+                            for w, h in REFUSED_IMAGE_SIZES]
+        + [("202:1 video", [("json", prompt), ("mp4", encode_video(gray_frames(8, 404, 2), fps=4))])],
     }
 
 
 def _good(i: int, mp4: bytes, jpg: bytes, png: bytes) -> list[tuple[str, bytes]]:
-    kind = i % 5
+    kind = i % 6
     if kind == 0:
         return [("json", js(prompt=f"good {i}", answer=str(i))), ("jpg", jpg)]
     if kind == 1:
@@ -59,6 +65,9 @@ def _good(i: int, mp4: bytes, jpg: bytes, png: bytes) -> list[tuple[str, bytes]]
         return [("json", js(prompt=f"what moves {i}?", answer=str(i))), ("mp4", mp4)]
     if kind == 3:
         return [("json", js(prompt=f"text only {i}", answer=str(i)))]
+    if kind == 5:  # odd sizes the processor still accepts
+        size = ACCEPTED_ODD_IMAGE_SIZES[(i // 6) % len(ACCEPTED_ODD_IMAGE_SIZES)]
+        return [("json", js(prompt=f"odd {i}", answer=str(i))), ("png", image_bytes(size=size))]
     return [("json", js(messages=[{"role": "user", "content": [
         {"type": "image"}, {"type": "video"}, {"type": "text", "text": f"good {i}"}]}], answer=str(i))),
         ("png", png), ("mp4", mp4)]
@@ -72,7 +81,7 @@ def corpus(tmp_path_factory):
     jpg, png = image_bytes(fmt="JPEG", size=(32, 24)), image_bytes((10, 200, 10), size=(20, 20))
     samples, expected_bad = [], {}
     for reason, variants in _bad_kinds(mp4, jpg, png).items():
-        for n in range(PER_KIND):
+        for n in range(max(PER_KIND, len(variants))):
             label, members = variants[n % len(variants)]
             key = f"bad-{reason}-{n}"
             samples.append((key, members))
@@ -108,6 +117,9 @@ def test_bad_samples_quarantined_good_ones_delivered_once(corpus, tmp_path, num_
     mixed = by_key["good-004"]
     assert len(mixed.images) == 1 and mixed.videos[0].frames.shape == (4, 24, 32, 3)
     assert by_key["good-003"].images == [] and by_key["good-003"].prompt_text == "text only 3"
+    assert {s.images[0].size for k, s in by_key.items() if int(k[5:]) % 6 == 5} == set(ACCEPTED_ODD_IMAGE_SIZES)
+    limit_details = [r["detail"] for r in records if r["reason"] == "processor_limit"]
+    assert all("aspect ratio" in d and "qwen_vl processor" in d for d in limit_details), limit_details
 
 
 def test_too_many_bad_samples_stops_with_a_clear_error(corpus, tmp_path):

@@ -12,8 +12,11 @@ from typing import Callable
 
 import pytest
 import torch
+from PIL import Image
 
 from mmrl import registry
+from mmrl.data.media_limits import MediaLimits
+from mmrl.data.sample import Sample
 from mmrl.processors.base import ProcessedPrompt
 from mmrl.rewards.base import RewardSet, call_reward, reward_kwargs
 from mmrl.rewards.scorer import GroupScorer
@@ -164,6 +167,13 @@ def test_processor_contract(name: str, tiny_model_dir: Path, colors_samples: lis
     assert n_image_tokens == int(grid.prod(-1).sum()) // 4, "expanded pads match the merged patches"
     assert [t for t in out.prompt_ids if t != image_pad] == [t for t in vllm_ids if t != image_pad]
     assert all(t in proc.forbidden_token_ids for t in (proc.image_token_id, proc.video_token_id))
+    # media_limits: declared, and an image right at the declared limit is still processed
+    limits = proc.media_limits
+    assert isinstance(limits, MediaLimits)
+    ratio = int(limits.max_aspect_ratio or 4)
+    edge = Image.new("RGB", (max(limits.min_side, 1) * ratio, max(limits.min_side, 1)), (90, 30, 200))
+    assert limits.image_problem(*edge.size) is None
+    assert proc(Sample(key="edge", messages=colors_samples[0].messages, images=[edge])).mm_inputs
 
 
 @pytest.mark.parametrize("name", _names("dataset"))

@@ -104,3 +104,40 @@ def test_text_after_video_continues_after_the_whole_block(arch: str, tmp_path: P
         mm_token_type_ids=torch.tensor([[2 if x == proc.video_token_id else 0 for x in p.prompt_ids]]),
         attention_mask=None, **{k: v for k, v in p.mm_inputs.items() if k in proc._rope_index.accepts})[0][:, 0]
     assert int(model_cls_pos[0, after]) < int(pos[0, after])
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def test_declared_media_limits_are_the_processors_own(arch: str, tmp_path: Path) -> None:
+    """`media_limits` (checked in the loader workers) says exactly what the real HF processor
+    refuses: right at a limit it processes, just past it it raises, and the limits flag it."""
+    from PIL import Image
+
+    proc = build_processor("auto", str(build_tiny_vlm(arch, tmp_path / arch, seed=1)))
+    limits = proc.media_limits
+
+    def image(width: int, height: int) -> Sample:
+        return Sample(key=f"{width}x{height}", messages=messages_from_prompt("What is it?", n_images=1),
+                      images=[Image.new("RGB", (width, height), (200, 30, 30))])
+
+    def video(frames: int, height: int = 56, width: int = 56) -> Sample:
+        return Sample(key=f"v{frames}", messages=messages_from_prompt("Which way?", n_videos=1),
+                      videos=[Video(frames=np.zeros((frames, height, width, 3), np.uint8), fps=2.0,
+                                    frame_indices=list(range(frames)), source_fps=2.0, total_num_frames=frames)])
+
+    for width, height in [(200, 1), (2000, 10), (1, 1), (3, 40)]:  # at the ratio limit; tiny images upscale
+        assert limits.image_problem(width, height) is None
+        assert proc(image(width, height)).mm_inputs["image_grid_thw"].numel() == 3
+    for width, height in [(201, 1), (1, 201), (8000, 12)]:
+        assert "aspect ratio" in limits.image_problem(width, height)
+        with pytest.raises(ValueError, match="aspect ratio"):
+            proc(image(width, height))
+    assert limits.video_problem(2, 400, 2) is None and "aspect ratio" in limits.video_problem(2, 402, 2)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        proc(video(2, height=2, width=402))
+    assert limits.video_problem(2, 56, 56) is None and proc(video(2)).mm_inputs["video_grid_thw"].numel() == 3
+    if arch == "qwen3_vl":  # its video smart_resize needs a full temporal patch
+        assert "frame" in limits.video_problem(1, 56, 56)
+        with pytest.raises(ValueError, match="temporal_factor"):
+            proc(video(1))
+    else:
+        assert limits.video_problem(1, 56, 56) is None and proc(video(1)).mm_inputs

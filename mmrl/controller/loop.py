@@ -21,10 +21,8 @@ from mmrl.config.load import to_yaml
 from mmrl.config.schema import Config
 from mmrl.controller.learn import needs_reference, update_policy
 from mmrl.controller.placement import placement_plan
-from mmrl.data.quarantine import BadSample
 from mmrl.data.sample import Sample
 from mmrl.processors import ProcessedPrompt, build_processor
-from mmrl.processors.base import PromptRejected
 from mmrl.rewards.workers import RewardPool, RewardStream
 from mmrl.rollout.agent_loops import RolloutContext
 from mmrl.rollout.engine import RolloutEngine, engine_kwargs
@@ -131,21 +129,6 @@ def start_runtime(cfg: Config) -> Runtime:
     ray.get([t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines])
     return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
                    sampling=sampling, engines=engines, trainers=trainers)
-
-
-def _prompts(processor: Any, samples: list[Sample], rejected: set[str],
-             ledger: Any = None) -> list[tuple[Sample, ProcessedPrompt]]:
-    """Process samples; a rejected prompt is skipped, counted, and (for the training stream)
-    written to the quarantine report like any other bad sample."""
-    out = []
-    for s in samples:
-        try:
-            out.append((s, processor(s)))
-        except PromptRejected as e:
-            rejected.add(s.key)
-            if ledger is not None:
-                ledger.record_bad(BadSample("prompt_rejected", s.key, s.source, str(e)), already_counted=True)
-    return out
 
 
 def evaluate(rt: Runtime, heldout: list[tuple[Sample, ProcessedPrompt]]) -> dict[str, float]:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import ray
 import torch
@@ -19,10 +18,9 @@ from mmrl import registry
 from mmrl.config.schema import Config
 from mmrl.controller.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, truncate_metrics
 from mmrl.controller.guard import StabilityGuard
-from mmrl.controller.loop import Runtime, _prompts, evaluate, run_step, start_runtime
+from mmrl.controller.loop import Runtime, evaluate, run_step, start_runtime
+from mmrl.controller.prompts import Pair, PromptBatches, process_samples
 from mmrl.controller.metrics import MetricsLogger
-from mmrl.data.sample import Sample
-from mmrl.processors import ProcessedPrompt
 from mmrl.utils.schedule import scheduled, warmup_factor
 from mmrl.utils.timing import StepSpans
 from mmrl.utils.trace import TraceWriter
@@ -38,44 +36,25 @@ class TrainHooks:
     after_step: Callable[[Runtime, int, dict[str, Any]], None] | None = None
 
 
-class _Batches:
-    """Prompt batches from the stream, processed; rejected prompts go to the quarantine report."""
-
-    def __init__(self, stream: Any, processor: Any, size: int):
-        self.stream, self.processor, self.size = stream, processor, size
-        self.rejected: set[str] = set()
-        self._it: Iterator[Sample] | None = None
-
-    def __call__(self) -> list[tuple[Sample, ProcessedPrompt]]:
-        if self._it is None:
-            self._it = iter(self.stream)
-        samples = [next(self._it) for _ in range(self.size)]
-        return _prompts(self.processor, samples, self.rejected, self.stream.quarantine)
-
-    def rewind(self, cursor: dict[str, Any]) -> None:
-        """Continue from a checkpoint's cursor (replay the batches since it)."""
-        self.stream.load_state_dict(cursor)
-        self._it = None
-
-
-def _open_stream(cfg: Config, run_dir: Path, resume: dict[str, Any] | None) -> Any:
+def _open_stream(cfg: Config, rt: Runtime, resume: dict[str, Any] | None) -> Any:
     from mmrl.data.stream import DecodeOptions, ShardStream
 
-    decode = DecodeOptions(**{**vars(cfg.data.decode), "decoders": tuple(cfg.data.decode.decoders)})
+    decode = DecodeOptions.from_config(cfg.data.decode, getattr(rt.processor, "media_limits", None))
     return ShardStream(cfg.data.train_shards, shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.run.seed,
-                       num_workers=cfg.data.num_workers, decode=decode, quarantine_path=run_dir / "quarantine.jsonl",
+                       num_workers=cfg.data.num_workers, decode=decode, quarantine_path=rt.run_dir / "quarantine.jsonl",
                        max_bad_ratio=cfg.data.max_bad_ratio, min_samples_for_ratio=cfg.data.min_samples_for_ratio,
                        resume=resume)
 
 
-def _heldout(cfg: Config, rt: Runtime, rejected: set[str]) -> list[tuple[Sample, ProcessedPrompt]]:
+def _heldout(cfg: Config, rt: Runtime, rejected: set[str]) -> list[Pair]:
     from mmrl.data.stream import DecodeOptions, load_all
 
     if not cfg.data.heldout_shards:
         return []
-    decode = DecodeOptions(**{**vars(cfg.data.decode), "decoders": tuple(cfg.data.decode.decoders)})
+    decode = DecodeOptions.from_config(cfg.data.decode, getattr(rt.processor, "media_limits", None))
     samples = load_all(cfg.data.heldout_shards, decode=decode)
-    return _prompts(rt.processor, samples[:cfg.eval.num_prompts] if cfg.eval.num_prompts else samples, rejected)
+    return process_samples(rt.processor, samples[:cfg.eval.num_prompts] if cfg.eval.num_prompts else samples,
+                           rejected)[0]
 
 
 def _trace_step(trace: TraceWriter, step: int, spans: StepSpans) -> None:
@@ -123,8 +102,8 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
             truncate_metrics(rt.run_dir, state["step"], name="batches.jsonl")
             _sync_engines(rt, new_version=False)
             print(f"[mmrl] resumed from {ckpt} (step {state['step']}; {dropped} later metric lines dropped)")
-        stream = _open_stream(cfg, rt.run_dir, resume_cursor)
-        batches = _Batches(stream, rt.processor, cfg.rollout.prompts_per_step)
+        stream = _open_stream(cfg, rt, resume_cursor)
+        batches = PromptBatches(stream, rt.processor, cfg.rollout.prompts_per_step)
         heldout = _heldout(cfg, rt, batches.rejected)
         logger = MetricsLogger(rt.run_dir, total_steps=cfg.run.max_steps, tensorboard=cfg.logging.tensorboard,
                                progress_bar=cfg.logging.progress_bar, console_every=cfg.logging.console_every,
@@ -225,7 +204,7 @@ class CollapseError(RuntimeError):
     pass
 
 
-def _rollback(rt: Runtime, cfg: Config, guard: StabilityGuard, verdict: Any, step: int, batches: _Batches,
+def _rollback(rt: Runtime, cfg: Config, guard: StabilityGuard, verdict: Any, step: int, batches: PromptBatches,
               summary: dict[str, Any]) -> float:
     """Restore the newest checkpoint saved before the alarm began and apply the remedy; returns
     the new learning-rate scale. Step numbers keep counting forward (metrics stay monotonic);

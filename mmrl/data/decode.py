@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from mmrl.data.media_limits import MediaLimits
 from mmrl.data.quarantine import BadSampleError
 from mmrl.data.sample import Sample, Video
 from mmrl.data.video import VideoDecodeError, VideoTooLarge, decode_video
@@ -47,6 +48,9 @@ class DecodeOptions:
             at 200 MB a sample; the processor resizes again to its own budget.
         decoders: video decoders in the order to try; unavailable ones are skipped.
         timeout_s: per video and decoder; a decode that runs longer is abandoned (see video.py).
+        media_limits: what the model's processor refuses (`processor.media_limits`); a decoded
+            image or video outside them is quarantined here as `processor_limit`. Not a config
+            key: the run fills it in from the processor it builds.
     """
     pixel_limit: int = 64_000_000
     fps: float = 2.0
@@ -56,6 +60,12 @@ class DecodeOptions:
     max_pixels: int | None = 768 * 28 * 28  # Qwen-VL's default per-frame video budget
     decoders: tuple[str, ...] = ("decord", "torchcodec", "pyav")
     timeout_s: float = 30.0
+    media_limits: MediaLimits | None = None
+
+    @classmethod
+    def from_config(cls, decode_cfg: Any, media_limits: MediaLimits | None = None) -> "DecodeOptions":
+        """From the `data.decode` config section (mmrl.config.schema.DecodeConfig)."""
+        return cls(**{**vars(decode_cfg), "decoders": tuple(decode_cfg.decoders)}, media_limits=media_limits)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decoders", tuple(self.decoders))  # a YAML list is fine too
@@ -259,6 +269,9 @@ class _SampleDecoder:
                 images.append(decode_image(self.raw[name], self.options.pixel_limit))
             except BadSampleError as e:
                 raise self.bad(e.reason, f"{name}: {e.detail}") from None
+            limits = self.options.media_limits
+            if limits is not None and (problem := limits.image_problem(*images[-1].size)):
+                raise self.bad("processor_limit", f"{name}: {problem}")
             if self.timings is not None:
                 width, height = images[-1].size
                 self.timings.setdefault("images", []).append(
@@ -276,6 +289,10 @@ class _SampleDecoder:
                 raise self.bad("too_many_pixels", f"{name}: {e}") from None
             except VideoDecodeError as e:
                 raise self.bad("video_timeout" if e.timed_out else "corrupt_video", f"{name}: {e}") from None
+            limits = self.options.media_limits
+            frames = videos[-1].frames
+            if limits is not None and (problem := limits.video_problem(len(frames), frames.shape[2], frames.shape[1])):
+                raise self.bad("processor_limit", f"{name}: {problem}")
             if self.timings is not None:
                 v = videos[-1]
                 self.timings.setdefault("videos", []).append(

@@ -9,9 +9,12 @@ median / max), video frame counts, durations, fps and sizes of the source videos
 distribution (top 10); prompt lengths in tokens of the model's tokenizer (`--model`; the text of
 the last user turn, without chat template or vision tokens) or in characters; and the bad samples
 by reason (the stream's quarantine codes, `mmrl.data.quarantine.REASONS`) with a few keys each.
+With `--model`, media are also checked against that model's processor limits (`processor_limit`),
+as the training stream checks them.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -20,6 +23,7 @@ from collections import Counter, defaultdict
 from typing import Any, Callable, Sequence
 
 from mmrl.data.decode import DecodeOptions, decode_sample
+from mmrl.data.media_limits import MediaLimits
 from mmrl.data.quarantine import BadSample, BadSampleError
 from mmrl.data.shards import expand_urls, read_shard
 
@@ -69,12 +73,29 @@ def _token_counter(model: str | None) -> tuple[str, Callable[[str], int]]:
     return "tokens", lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
 
+def _media_limits(model: str | None) -> MediaLimits | None:
+    """The limits of the processor `mmrl train` would build for `model` (None: no model, a
+    tokenizer-only folder, or a model family without a processor adapter: prompt lengths are
+    still counted)."""
+    if not model:
+        return None
+    from mmrl.processors import build_processor
+    from mmrl.registry import PluginError
+
+    try:
+        return getattr(build_processor("auto", model), "media_limits", None)
+    except (PluginError, OSError, ValueError):
+        return None
+
+
 def inspect_shards(specs: str | Sequence[str], *, model: str | None = None, limit: int | None = None,
                    top: int = 10, decode: DecodeOptions | None = None) -> dict[str, Any]:
     """Statistics of the samples in shards (see the module doc), as a JSON-ready dict.
     `limit` stops after that many samples (good or bad, in shard order)."""
     urls = shard_urls(specs)
     options = decode or DecodeOptions()
+    if options.media_limits is None:
+        options = dataclasses.replace(options, media_limits=_media_limits(model))
     unit, count_tokens = _token_counter(model)
     n_samples = n_good = 0
     shard_samples: dict[str, int] = {}
@@ -159,6 +180,7 @@ def inspect_shards(specs: str | Sequence[str], *, model: str | None = None, limi
         "prompt_length": {"unit": unit, **(_spread(prompt_lengths) or {})},
         "bad": {"count": sum(bad_reasons.values()), "reasons": dict(bad_reasons.most_common()),
                 "examples": dict(bad_examples)},
+        "media_limits": dataclasses.asdict(options.media_limits) if options.media_limits else None,
     }
 
 
@@ -213,6 +235,8 @@ def report_sections(stats: dict[str, Any]) -> list[tuple[str, list[tuple[str, st
                + (f"  p95 {_fmt(pl['p95'])}" if "p95" in pl else ""))]
     bad = [(reason, f"{n}  e.g. " + ", ".join(e["key"] or os.path.basename(e["shard"]) for e in bd["examples"][reason]))
            for reason, n in bd["reasons"].items()] or [("(none)", "")]
+    limits = stats.get("media_limits")
+    bad.append(("(processor limits checked)", limits["owner"] if limits else "none (no --model)"))
     return [("overview", overview), ("media", media), ("answers (top 10)", answers),
             ("prompts", prompt), ("bad samples", bad)]
 

@@ -38,7 +38,10 @@ REASONS: dict[str, str] = {
     "shard_open_error": "a shard could not be opened (missing file, permissions)",
     "shard_read_error": "a shard broke while reading (truncated tar, failing pipe: command)",
     "decode_error": "an unexpected exception while decoding (a bug or an exotic input; see detail)",
+    "processor_limit": "an image or video outside what the model's processor accepts (e.g. aspect ratio > 200 "
+                       "for Qwen-VL); checked in the loader worker",
     "prompt_rejected": "the processor refused the prompt (e.g. it would be cut inside a vision block)",
+    "processor_error": "the processor raised on this sample (see detail for the error)",
 }
 
 

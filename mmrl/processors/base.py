@@ -1,4 +1,12 @@
-"""The processor contract shared by every model family."""
+"""The processor contract shared by every model family.
+
+An adapter is a class registered as kind "processor", built as `cls(model_path, **processor_args)`;
+calling it on a `Sample` returns a `ProcessedPrompt` or raises `PromptRejected`. It also exposes
+`media_limits` (`mmrl.data.media_limits.MediaLimits`): what its processor refuses, checked in
+the loader workers so such media are quarantined there (an adapter without it gets no check);
+`decode(ids)`, and the token ids `image_token_id`, `video_token_id`, `eos_token_id`,
+`pad_token_id`, `forbidden_token_ids`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

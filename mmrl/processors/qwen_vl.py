@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoProcessor
 
+from mmrl.data.media_limits import MediaLimits
 from mmrl.data.sample import Sample, Video
 from mmrl.processors.base import ProcessedPrompt, PromptRejected
 from mmrl.registry import register
@@ -101,6 +102,15 @@ class _RopeIndex:
         return torch.from_numpy(np.concatenate(blocks, axis=1).astype(np.int64))
 
 
+def qwen_media_limits(model_type: str) -> MediaLimits:
+    """What the Qwen-VL processors (transformers' `smart_resize`, which vLLM calls too) refuse:
+    an image or frame whose aspect ratio is above 200 (ValueError), and for Qwen3-VL a video of
+    fewer frames than its temporal patch (2). Tiny images are not refused: they are upscaled to
+    the minimum pixel budget. tests/test_processor.py pins these numbers to the real processor."""
+    return MediaLimits(max_aspect_ratio=200.0, min_video_frames=2 if model_type == "qwen3_vl" else 1,
+                       owner=f"the qwen_vl processor ({model_type})")
+
+
 @register("processor", "qwen_vl")
 class QwenVLProcessor:
     """Adapter for the Qwen-VL families: image, multi-image, video and mixed prompts."""
@@ -121,6 +131,7 @@ class QwenVLProcessor:
                 size["longest_edge"] = max_pixels
             self._image_kwargs = {"size": size}
         self._rope_index = _RopeIndex(self.config)
+        self.media_limits = qwen_media_limits(self.config.model_type)
         tok = self.tokenizer
         self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>")
         self.video_token_id = tok.convert_tokens_to_ids("<|video_pad|>")

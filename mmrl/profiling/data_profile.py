@@ -125,7 +125,7 @@ def _advice(cfg: Any, run: PipelineRun, stages: list[dict[str, Any]], runs: dict
     recs = [s.worker for s in run.samples if s.worker]
     videos = [v for r in recs for v in r.get("videos", [])]
     image_px = [i["pixels"] for r in recs for i in r.get("images", [])]
-    options = decode_options(cfg)
+    options = decode_options(cfg, processor)
     share = lambda *names: sum(by_name[n]["share"] or 0.0 for n in names)  # noqa: E731
     candidates = []
     if share("video_decode") >= adv.MIN_SHARE:
@@ -188,7 +188,7 @@ def profile_data(config: str, overrides: Sequence[str] = (), *, samples: int = 2
         from mmrl.profiling.decode_bound import decode_bound, read_raw_samples
         say(f"decode-only bound: {primary} worker(s)")
         raws = read_raw_samples(cfg.data.train_shards, limit=samples + run.warmup, max_bytes=BOUND_MAX_BYTES)
-        rate = decode_bound(raws, primary, decode_options(cfg))
+        rate = decode_bound(raws, primary, decode_options(cfg, processor))
         decode_bound_out = {"workers": primary, "samples": len(raws), "samples_per_s": rate,
                             "pipeline_efficiency": run.samples_per_s / rate if rate > 0 else None,
                             "definition": BOUND_DEFINITION}

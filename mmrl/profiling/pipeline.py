@@ -72,9 +72,9 @@ class PipelineRun:
         return sum(s.wait_s for s in self.samples) / self.window_s if self.window_s > 0 else 0.0
 
 
-def decode_options(cfg: Any) -> DecodeOptions:
-    """The DecodeOptions `mmrl train` builds from cfg.data.decode."""
-    return DecodeOptions(**{**vars(cfg.data.decode), "decoders": tuple(cfg.data.decode.decoders)})
+def decode_options(cfg: Any, processor: Any = None) -> DecodeOptions:
+    """The DecodeOptions `mmrl train` builds from cfg.data.decode (with the processor's media limits)."""
+    return DecodeOptions.from_config(cfg.data.decode, getattr(processor, "media_limits", None))
 
 
 def build_config_processor(cfg: Any, **changes: Any) -> Any:
@@ -108,11 +108,10 @@ def run_pipeline(cfg: Any, processor: Any, workers: int, num_samples: int, *,
     """Stream `num_samples` measured samples (after one warm-up sample per worker) through the
     config's loader with `workers` DataLoader workers, the processor and pickle."""
     from mmrl.data.stream import ShardStream
-    from mmrl.processors.base import PromptRejected
 
     warmup = max(1, workers)  # each worker's first sample pays imports and first-call costs
     stream = ShardStream(cfg.data.train_shards, shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.run.seed,
-                         num_workers=workers, decode=decode_options(cfg), max_bad_ratio=None, profile=True)
+                         num_workers=workers, decode=decode_options(cfg, processor), max_bad_ratio=None, profile=True)
     measured: list[SampleTiming] = []
     kept: list[Sample] = []
     created = time.perf_counter()
@@ -133,7 +132,7 @@ def run_pipeline(cfg: Any, processor: Any, workers: int, num_samples: int, *,
             timing = SampleTiming(sample.key, worker, t0, t1 - t0)
             try:
                 prompt = processor(sample)
-            except PromptRejected:
+            except Exception:  # refused (PromptRejected) or failed: what training would quarantine
                 timing.rejected = True
             t2 = time.perf_counter()
             timing.processor_s = t2 - t1

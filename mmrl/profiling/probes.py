@@ -18,8 +18,6 @@ PROBE_STAGES = ("image_decode", "video_decode", "processor", "serialise")
 
 
 def _one(raw: dict[str, Any], options: DecodeOptions, processor: Any) -> dict[str, float] | None:
-    from mmrl.processors.base import PromptRejected
-
     timings: dict[str, Any] = {}
     try:
         sample = decode_sample(raw, options, timings)
@@ -30,7 +28,7 @@ def _one(raw: dict[str, Any], options: DecodeOptions, processor: Any) -> dict[st
     start = time.perf_counter()
     try:
         prompt = processor(sample)
-    except PromptRejected:
+    except Exception:  # refused or failed: training would quarantine it, so no evidence either
         return None
     middle = time.perf_counter()
     pickle.dumps(prompt, protocol=pickle.HIGHEST_PROTOCOL)
