@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "data_pipeline.json"))
     args = ap.parse_args()
     from mmrl import registry
+    from mmrl.utils.paths import repo_relative
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +80,9 @@ def main() -> None:
                   f"ratio {load / bound:.2f}  ({args.workers} workers, best of {args.repeats})", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    # the output path relative to the checkout: committed results must not name the machine
+    recorded = {**vars(args), "out": repo_relative(args.out, REPO)}
+    out.write_text(json.dumps({"args": recorded, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

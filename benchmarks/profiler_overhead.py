@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "profiler_overhead.json"))
     args = ap.parse_args()
     from mmrl.data.recipes.colors import build
+    from mmrl.utils.paths import repo_relative
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +89,9 @@ def main() -> None:
                   f"{cpu:.3f} | overhead {1 - best:+.1%} wall, {1 - cpu:+.1%} CPU", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1) + "\n")
+    # the output path relative to the checkout: committed results must not name the machine
+    recorded = {**vars(args), "out": repo_relative(args.out, REPO)}
+    out.write_text(json.dumps({"args": recorded, "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
