@@ -293,3 +293,23 @@ def test_shard_sink_size_limit(tmp_path):
     with ShardSink(str(tmp_path / "empty-%06d.tar"), maxcount=3) as empty:
         pass
     assert empty.shards == [] and not list(tmp_path.glob("empty-*"))
+
+
+def test_our_yuv420p_conversion_matches_ffmpeg_and_round_trips():
+    """encode_mp4 converts RGB -> YUV 4:2:0 itself (the encoder's own conversion made builds differ
+    under load): luma within 1 of swscale's, and flat colours come back within 2 levels."""
+    import av
+
+    from mmrl.data.recipes._common import rgb_to_yuv420p
+
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (2, 32, 48, 3), dtype=np.uint8)
+    yuv = rgb_to_yuv420p(frames)
+    ffmpeg = np.stack([av.VideoFrame.from_ndarray(f, format="rgb24").reformat(format="yuv420p").to_ndarray()
+                       for f in frames])
+    assert yuv.shape == ffmpeg.shape == (2, 48, 48)
+    assert np.abs(yuv[:, :32].astype(int) - ffmpeg[:, :32]).max() <= 1
+    for colour in [(200, 30, 30), (20, 160, 60), (40, 60, 220), (128, 128, 128), (240, 220, 30)]:
+        flat = np.broadcast_to(np.array(colour, np.uint8), (1, 16, 16, 3)).copy()
+        back = av.VideoFrame.from_ndarray(rgb_to_yuv420p(flat)[0], format="yuv420p").to_ndarray(format="rgb24")
+        assert np.abs(back.astype(int) - colour).max() <= 2, (colour, back[0, 0])

@@ -130,9 +130,32 @@ def encode_image(pixels: np.ndarray, image_format: str) -> bytes:
     return buf.getvalue()
 
 
+def rgb_to_yuv420p(frames: np.ndarray) -> np.ndarray:
+    """uint8 (T, H, W, 3) RGB -> uint8 (T, H * 3 // 2, W) planar YUV 4:2:0 (BT.601, limited range;
+    chroma from the mean RGB of each 2x2 block), the layout `av.VideoFrame.from_ndarray(...,
+    format="yuv420p")` takes. Integer arithmetic in numpy, so the encoder's input is a function
+    of the pixels alone: letting the encoder convert rgb24 itself gave different bytes for the same
+    frames now and then on a busy machine."""
+    t, h, w = frames.shape[:3]
+    rgb = frames.astype(np.int32)
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    y = (66 * r + 129 * g + 25 * b + 128) // 256 + 16
+    # 2x2 block sums (x4 the mean), so the chroma below is computed once per block with rounding
+    blocks = rgb.reshape(t, h // 2, 2, w // 2, 2, 3).sum(axis=(2, 4))
+    br, bg, bb = blocks[..., 0], blocks[..., 1], blocks[..., 2]
+    u = (-38 * br - 74 * bg + 112 * bb + 512) // 1024 + 128
+    v = (112 * br - 94 * bg - 18 * bb + 512) // 1024 + 128
+    out = np.empty((t, h * 3 // 2, w), np.uint8)
+    out[:, :h] = y
+    out[:, h:h + h // 4] = u.reshape(t, h // 4, w)
+    out[:, h + h // 4:] = v.reshape(t, h // 4, w)
+    return out
+
+
 def encode_mp4(frames: np.ndarray, fps: float, crf: int = 18) -> bytes:
-    """uint8 (T, H, W, 3) RGB frames -> H.264 (libx264, yuv420p) MP4 bytes, reproducibly
-    (one encoder thread, no timestamps from the clock). H and W must be even (yuv420p)."""
+    """uint8 (T, H, W, 3) RGB frames -> H.264 (libx264, yuv420p) MP4 bytes, reproducibly: the
+    colour conversion is ours (`rgb_to_yuv420p`), one encoder thread, no timestamps from the
+    clock. H and W must be even (yuv420p)."""
     import av
 
     t, h, w = frames.shape[:3]
@@ -144,9 +167,8 @@ def encode_mp4(frames: np.ndarray, fps: float, crf: int = 18) -> bytes:
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         stream.options = {"crf": str(int(crf)), "preset": "medium"}
         stream.codec_context.thread_count = 1
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame),
-                                                                   format="rgb24")):
+        for planes in rgb_to_yuv420p(frames):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(planes, format="yuv420p")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
