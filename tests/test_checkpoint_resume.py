@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def _cmd(run_dir: Path, model: Path, data: Path) -> list[str]:
     return [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / "colors_demo.yaml"),
             f"model.path={model}", f"data.train_shards={data}/train-{{000000..000001}}.tar",
-            f"data.heldout_shards={data}/heldout-000000.tar", f"run.output_dir={run_dir}", "run.max_steps=6",
+            f"data.heldout_shards={data}/heldout-000000.tar", f"run.output_dir={run_dir}", "run.max_steps=6", "run.time_limit_s=null",
             "rollout.prompts_per_step=8", "rollout.group_size=8", "eval.every_steps=3", "eval.num_prompts=32",
             "checkpoint.every_steps=2", "checkpoint.keep_last=3", "logging.progress_bar=false",
             # the entropy bonus fades across the kill: a resumed run must use the same coefficients

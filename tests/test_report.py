@@ -195,7 +195,7 @@ def test_report_on_a_real_demo_run(tiny_model_dir: Path, colors_dir: Path, tmp_p
         [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / "colors_demo.yaml"),
          f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-{{000000..000001}}.tar",
          f"data.heldout_shards={colors_dir}/heldout-000000.tar", f"run.output_dir={run_dir}",
-         "run.max_steps=4", "eval.every_steps=2", "logging.progress_bar=false"],
+         "run.max_steps=4", "run.time_limit_s=null", "eval.every_steps=2", "logging.progress_bar=false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert train.returncode == 0, train.stderr[-4000:]
     report = subprocess.run([sys.executable, "-m", "mmrl.cli", "report", str(run_dir)], cwd=tmp_path,

@@ -1,6 +1,8 @@
 """Reward scoring overlaps the rollout: a real vLLM engine (tiny VLM, Ray actor) generates the
 step in chunks, single_turn reports each finished chunk, and the reward workers score those
-groups while the engine still generates the later chunks (timestamps prove it)."""
+groups while the rollout still runs. No clock decides the outcome: the rollout's last chunk is
+held until the first chunk's scoring has begun, which only happens if reported groups go to the
+workers at once (otherwise the wait runs into its bound and the test fails)."""
 from __future__ import annotations
 
 import textwrap
@@ -14,10 +16,12 @@ from _engine import tiny_engine
 pytestmark = pytest.mark.slow
 
 STAMP_REWARD = textwrap.dedent("""
+    import os
     import time
 
-    def stamp(response, **_):
+    def stamp(response, sample, marker_dir, **_):
         t = time.time()
+        open(os.path.join(marker_dir, sample.key), "w").close()  # scoring of this sample has begun
         time.sleep(0.02)  # a reward with some cost, so its work has a measurable span
         return {"score": 1.0, "t": t}
 """)
@@ -34,8 +38,10 @@ def test_rewards_start_before_the_rollout_ends(tiny_model_dir: Path, colors_samp
         samples = colors_samples[:16]
         prompts = [eng["processor"](s) for s in samples]
         sampling = SamplingConfig(n=4, max_new_tokens=16, temperature=1.0, forbidden_token_ids=eng["forbidden"])
-        with RewardPool([{"name": f"{plugin}:stamp"}, {"name": "shape_colour"}], num_workers=1,
-                        timeout_s=30) as pool:
+        markers = tmp_path / "started"
+        markers.mkdir()
+        with RewardPool([{"name": f"{plugin}:stamp", "args": {"marker_dir": str(markers)}}, {"name": "shape_colour"}],
+                        num_workers=1, timeout_s=30) as pool:
             # warm the engine (the first request on a cold engine is slow), untimed
             single_turn(RolloutContext([eng["engine"]], sampling, 0), prompts[:2])
 
@@ -43,6 +49,12 @@ def test_rewards_start_before_the_rollout_ends(tiny_model_dir: Path, colors_samp
             arrivals: list[tuple[float, list[int]]] = []
 
             def on_groups(indices: list[int], groups: list) -> None:
+                if len(arrivals) == 3:  # the last chunk: hold it until the first chunk is being scored
+                    first = [samples[i].key for i in arrivals[0][1]]
+                    deadline = time.monotonic() + 300
+                    while not any((markers / key).exists() for key in first):
+                        assert time.monotonic() < deadline, "the first chunk was not scored during the rollout"
+                        time.sleep(0.02)
                 arrivals.append((time.time(), indices))
                 stream.submit(indices, groups)
 

@@ -109,7 +109,7 @@ def test_injected_lr_spike_is_detected_and_rolled_back(tiny_model_dir: Path, col
     run_dir = tmp_path / "run"
     overrides = [f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-{{000000..000001}}.tar",
                  f"data.heldout_shards={colors_dir}/heldout-000000.tar", f"run.output_dir={run_dir}",
-                 "run.max_steps=14", "rollout.prompts_per_step=8", "rollout.group_size=8", "eval.every_steps=0",
+                 "run.max_steps=14", "run.time_limit_s=null", "rollout.prompts_per_step=8", "rollout.group_size=8", "eval.every_steps=0",
                  "checkpoint.every_steps=4", "logging.progress_bar=false", "stability.enabled=true",
                  "stability.warmup_steps=3", "stability.patience=1", "stability.reward_drop=null",
                  "stability.min_entropy=1.0", "stability.lr_scale=0.5",

@@ -36,7 +36,8 @@ def test_refused_images_are_quarantined_and_every_good_sample_trains(tiny_model_
     # then 8 of epoch 1
     cmd = [sys.executable, "-m", "mmrl.cli", "train", str(tmp_path / "odd.yaml"), f"model.path={tiny_model_dir}",
            f"data.train_shards={shard}", "data.heldout_shards=null", f"run.output_dir={run_dir}",
-           "run.max_steps=4", "rollout.prompts_per_step=8", "rollout.group_size=4", "stability.enabled=false",
+           "run.max_steps=4", "run.time_limit_s=null", "rollout.prompts_per_step=8", "rollout.group_size=4",
+           "stability.enabled=false",
            "checkpoint.every_steps=0", "logging.progress_bar=false"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
