@@ -20,15 +20,16 @@ Results: benchmarks/results/profile_advice.json.
 from __future__ import annotations
 
 import argparse
-import io
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the media helpers the profiler tests build the same sets with
+from _data_media import encode_video, scrolling_texture  # noqa: E402
 DEMO = str(REPO / "configs" / "colors_demo.yaml")
 GOAL = 1.3
 SETS = {  # name -> (the set's own overrides, the key its bottleneck's advice should change)
@@ -41,34 +42,6 @@ SETS = {  # name -> (the set's own overrides, the key its bottleneck's advice sh
 
 # ------------------------------------------------------------------------------------ data sets
 
-def _scrolling_texture(n: int, width: int, height: int, seed: int) -> np.ndarray:
-    """A textured frame scrolling sideways: every frame differs, so it decodes like real video."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = ((xx[..., None] * [3, 1, 2] + yy[..., None] * [1, 2, 3]) % 256).astype(np.uint8)
-    noise = rng.integers(0, 24, (height, width + n, 3), dtype=np.uint8)
-    return np.stack([base + noise[:, i:i + width] for i in range(n)])
-
-
-def _mp4(frames: np.ndarray, fps: int) -> bytes:
-    """H.264 with a keyframe every 4 frames: decoding a sparse subset of frames then costs less
-    (the decoder starts at the previous keyframe), so fewer frames per second pays."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        stream.options = {"preset": "ultrafast", "crf": "10", "g": "4"}
-        stream.codec_context.thread_count = 1
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
-
-
 def build_video_set(out: Path, clips: int = 14) -> str:
     from mmrl.data.recipes._common import ShardSink
 
@@ -76,7 +49,7 @@ def build_video_set(out: Path, clips: int = 14) -> str:
     record = json.dumps({"prompt": "Which way does the texture move?", "answer": "left", "videos": ["mp4"]}).encode()
     with ShardSink(str(out / "train-%06d.tar")) as sink:
         for k in range(clips):
-            sink.write({"__key__": f"v{k:03d}", "json": record, "mp4": _mp4(_scrolling_texture(320, 160, 120, k), 20)})
+            sink.write({"__key__": f"v{k:03d}", "json": record, "mp4": encode_video(scrolling_texture(320, 160, 120, k), fps=20)})
     return sink.shards[0]
 
 

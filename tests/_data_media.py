@@ -49,6 +49,15 @@ def gray_frames(n: int, width: int = 32, height: int = 24) -> np.ndarray:
     return np.broadcast_to(levels[:, None, None, None], (n, height, width, 3)).astype(np.uint8).copy()
 
 
+def scrolling_texture(n: int, width: int, height: int, seed: int) -> np.ndarray:
+    """A textured frame scrolling sideways: every frame differs, so it decodes like real video."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = ((xx[..., None] * [3, 1, 2] + yy[..., None] * [1, 2, 3]) % 256).astype(np.uint8)
+    noise = rng.integers(0, 24, (height, width + n, 3), dtype=np.uint8)
+    return np.stack([base + noise[:, i:i + width] for i in range(n)])
+
+
 def encode_video(frames: np.ndarray, fps: int = 10, fmt: str = "mp4") -> bytes:
     """H.264 MP4 (or, via a subprocess, VP8 WebM) bytes of uint8 (T, H, W, 3) frames."""
     if fmt == "webm":

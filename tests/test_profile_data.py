@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from _data_media import encode_video, js, write_tar
+from _data_media import encode_video, js, scrolling_texture, write_tar
 from mmrl.cli import main
 from mmrl.config import load_config
 from mmrl.data.decode import DecodeOptions
@@ -41,22 +40,13 @@ def _base(model: Path, shards: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------ data sets
 
-def _scrolling_texture(n: int, width: int, height: int, seed: int) -> np.ndarray:
-    """A textured frame scrolling sideways: every frame differs, so it decodes like real video."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = ((xx[..., None] * [3, 1, 2] + yy[..., None] * [1, 2, 3]) % 256).astype(np.uint8)
-    noise = rng.integers(0, 24, (height, width + n, 3), dtype=np.uint8)
-    return np.stack([base + noise[:, i:i + width] for i in range(n)])
-
-
 @pytest.fixture(scope="module")
 def video_shards(tmp_path_factory) -> str:
     """Long clips (16 s, 320 frames, a keyframe every 4) decoded at many frames per second:
     decoding dominates, and the decoded frames are small, so the processor is cheap."""
     out = tmp_path_factory.mktemp("videos")
     samples = [(f"v{k:03d}", {"json": js(prompt="Which way does the texture move?", answer="left", videos=["mp4"]),
-                              "mp4": encode_video(_scrolling_texture(320, 160, 120, k), fps=20)}) for k in range(14)]
+                              "mp4": encode_video(scrolling_texture(320, 160, 120, k), fps=20)}) for k in range(14)]
     return write_tar(out / "train-000000.tar", samples)
 
 
