@@ -2,15 +2,23 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from typing import Any
 
 import ray
 
 from mmrl.rollout.types import Completion, SamplingConfig
+from mmrl.rollout.vllm_logs import configure_engine_logging
 
 # Seed spacing between the requests of one call: more than any group size, so no two samples share a seed.
 SEED_STRIDE = 4096
+
+# A clean engine stop takes 5-8 s on a 2-core machine (the worker exits, then the engine core tears
+# down); vLLM's default 5 s for each made it force-kill the engine core at the end of nearly every
+# run, with a warning and shared memory left to Python's resource tracker.
+SHUTDOWN_GRACE_S = 30.0  # the engine core, waited on by this actor
+WORKER_SHUTDOWN_GRACE_S = 15  # the worker, waited on by the engine core (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
 
 WORKER_EXTENSION = "mmrl.weight_sync.vllm_extension.WeightSyncExtension"
 
@@ -20,6 +28,7 @@ DEFAULT_ENGINE_ARGS: dict[str, Any] = {
     # the trainer recomputes.
     "logprobs_mode": "processed_logprobs",
     "max_model_len": 2048,
+    "use_tqdm_on_load": False,  # a progress bar for loading a checkpoint, per engine start
 }
 
 
@@ -39,6 +48,9 @@ class RolloutEngine:
 
     def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str]):
         os.environ.update(env)
+        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_SHUTDOWN_GRACE_S))
+        # before vLLM is imported: its known-harmless warnings stay off the console
+        configure_engine_logging(os.environ.get("VLLM_CACHE_ROOT") or tempfile.mkdtemp(prefix="mmrl-vllm-"))
         from vllm import LLM
 
         t0 = time.time()
@@ -112,5 +124,5 @@ class RolloutEngine:
         shared-memory ring buffers (hundreds of MB in /dev/shm) behind."""
         llm = getattr(self, "llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
             self.llm = None

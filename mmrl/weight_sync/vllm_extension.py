@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load as load_safetensors
 
+from mmrl.rollout.vllm_logs import mark_config_only_modules
+
 
 class WeightSyncExtension:
     _mmrl_staged: list[tuple[str, torch.Tensor]]
@@ -27,6 +29,11 @@ class WeightSyncExtension:
         self._mmrl_staged = []
         if not staged:
             return 0
+        if not getattr(self, "_mmrl_marked", False):
+            # the reload then warns "Failed to load weights" for rotary tables and the like,
+            # which hold no checkpoint weights: see mmrl/rollout/vllm_logs.py
+            mark_config_only_modules(self.model_runner.get_model())
+            self._mmrl_marked = True
         # reload_weights also clears the worker-side encoder and multimodal caches; the caller
         # still resets the scheduler-side encoder cache and the prefix cache.
         self.model_runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
