@@ -13,6 +13,7 @@ cd "$ROOT"
 STAMP="$VENV/.mmrl-setup-v1"
 
 if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import mmrl, vllm, deepspeed, ray, webdataset, math_verify" 2>/dev/null; then
+  touch "$STAMP"  # verified: newer than pyproject.toml again, so make does not rerun this every time
   exit 0
 fi
 
