@@ -133,9 +133,8 @@ def encode_image(pixels: np.ndarray, image_format: str) -> bytes:
 def rgb_to_yuv420p(frames: np.ndarray) -> np.ndarray:
     """uint8 (T, H, W, 3) RGB -> uint8 (T, H * 3 // 2, W) planar YUV 4:2:0 (BT.601, limited range;
     chroma from the mean RGB of each 2x2 block), the layout `av.VideoFrame.from_ndarray(...,
-    format="yuv420p")` takes. Integer arithmetic in numpy, so the encoder's input is a function
-    of the pixels alone: letting the encoder convert rgb24 itself gave different bytes for the same
-    frames now and then on a busy machine."""
+    format="yuv420p")` takes. Integer arithmetic in numpy: the encoder's input is a function of
+    the pixels alone."""
     t, h, w = frames.shape[:3]
     rgb = frames.astype(np.int32)
     r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
@@ -152,10 +151,14 @@ def rgb_to_yuv420p(frames: np.ndarray) -> np.ndarray:
     return out
 
 
-def encode_mp4(frames: np.ndarray, fps: float, crf: int = 18) -> bytes:
-    """uint8 (T, H, W, 3) RGB frames -> H.264 (libx264, yuv420p) MP4 bytes, reproducibly: the
-    colour conversion is ours (`rgb_to_yuv420p`), one encoder thread, no timestamps from the
-    clock. H and W must be even (yuv420p)."""
+def encode_mp4(frames: np.ndarray, fps: float, qp: int = 18) -> bytes:
+    """uint8 (T, H, W, 3) RGB frames -> H.264 (libx264, yuv420p) MP4 bytes, byte-identical for the
+    same frames whatever the machine's load: a constant quantizer `qp` with adaptive quantization,
+    macroblock-tree and psychovisual tuning off, one encoder thread, our own colour conversion
+    (`rgb_to_yuv420p`), no timestamps from the clock. (With CRF rate control, the same frames gave
+    a different keyframe in about 1 of 60 builds inside a busy test process; x264's float-driven
+    adaptive decisions are the part that varied, the constant-quantizer encodes never did.)
+    H and W must be even (yuv420p)."""
     import av
 
     t, h, w = frames.shape[:3]
@@ -165,7 +168,7 @@ def encode_mp4(frames: np.ndarray, fps: float, crf: int = 18) -> bytes:
     with av.open(buf, "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"crf": str(int(crf)), "preset": "medium"}
+        stream.options = {"qp": str(int(qp)), "preset": "medium", "x264-params": "aq-mode=0:mbtree=0:psy=0"}
         stream.codec_context.thread_count = 1
         for planes in rgb_to_yuv420p(frames):
             for packet in stream.encode(av.VideoFrame.from_ndarray(planes, format="yuv420p")):

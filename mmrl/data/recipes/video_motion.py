@@ -58,7 +58,7 @@ def draw(direction: str, rng: np.random.Generator, *, frames: int = 8, width: in
 
 @register("dataset", "video_motion")
 def build(out_dir: str, *, train_size: int = 1024, heldout_size: int = 64, frames: int = 8,
-          fps: float = 4.0, width: int = 64, height: int = 64, crf: int = 18,
+          fps: float = 4.0, width: int = 64, height: int = 64, qp: int = 18,
           shard_size: int = 256, seed: int = 0) -> dict[str, Any]:
     """Synthetic video task: a shape moves left/right/up/down in an MP4; answer the direction."""
     if frames < 2:
@@ -67,20 +67,20 @@ def build(out_dir: str, *, train_size: int = 1024, heldout_size: int = 64, frame
         raise ValueError(f"fps must be > 0, got {fps}")
     if width % 2 or height % 2 or width < 16 or height < 16:
         raise ValueError(f"width and height must be even (yuv420p) and at least 16, got {width}x{height}")
-    if not 0 <= crf <= 51:
-        raise ValueError(f"crf must be in 0..51, got {crf}")
+    if not 0 <= qp <= 51:
+        raise ValueError(f"qp (H.264 constant quantizer) must be in 0..51, got {qp}")
 
     def make(direction: str, rng: np.random.Generator, split: str, i: int) -> dict[str, Any]:
         video, info = draw(direction, rng, frames=frames, width=width, height=height)
         meta = {"split": split, "index": i, **info, "frames": frames, "fps": fps,
                 "width": width, "height": height}
         return {"json": {"prompt": PROMPT, "answer": direction, "videos": ["mp4"], "metadata": meta},
-                "mp4": encode_mp4(video, fps, crf)}
+                "mp4": encode_mp4(video, fps, qp)}
 
     return build_splits(
         out_dir, recipe="video_motion",
         args={"train_size": train_size, "heldout_size": heldout_size, "frames": frames, "fps": fps,
-              "width": width, "height": height, "crf": crf, "shard_size": shard_size, "seed": seed},
+              "width": width, "height": height, "qp": qp, "shard_size": shard_size, "seed": seed},
         labels=list(DIRECTIONS), salt=0x71DE, make=make, train_size=train_size,
         heldout_size=heldout_size, shard_size=shard_size, seed=seed,
         extra={"modality": "video", "prompt": PROMPT, "answers": list(DIRECTIONS)})
