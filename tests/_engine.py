@@ -2,7 +2,6 @@
 without the trainer: Ray, the engine actor, and processed colour prompts."""
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,11 +14,10 @@ def tiny_engine(model_dir: Path, run_dir: Path) -> Iterator[dict[str, Any]]:
     """Start Ray (2 CPUs) and one RolloutEngine actor; yield {"engine", "processor", "forbidden"}."""
     from mmrl.processors import build_processor
     from mmrl.rollout.engine import RolloutEngine, engine_kwargs
-    from mmrl.utils.env import engine_env
+    from mmrl.utils.env import engine_env, init_local_ray
 
     env = engine_env(run_dir, "cpu", {"VLLM_LOGGING_LEVEL": "WARNING"})
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     engine = None
     try:
         kwargs = engine_kwargs(str(model_dir), "float32", 0, {"max_model_len": 512, "enforce_eager": True,

@@ -18,7 +18,7 @@ from mmrl.processors import build_processor
 from mmrl.rollout.engine import RolloutEngine, engine_kwargs
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
-from mmrl.utils.env import engine_env
+from mmrl.utils.env import engine_env, init_local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def _samples(colors_samples: list) -> list[Sample]:
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False)
+    init_local_ray(num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 

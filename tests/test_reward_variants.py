@@ -17,6 +17,7 @@ from mmrl.rewards import RewardSet, call_reward, reward, reward_kwargs, traits_o
 from mmrl.rewards.scorer import GroupScorer
 from mmrl.rewards.streaming import overlap_seconds
 from mmrl.rollout.types import Trajectory
+from mmrl.utils.env import init_local_ray
 
 USER_REWARDS = textwrap.dedent("""
     import asyncio
@@ -192,8 +193,7 @@ def test_overlap_seconds_is_the_union_inside_the_window() -> None:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

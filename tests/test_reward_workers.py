@@ -13,6 +13,7 @@ import ray
 from mmrl.cli import main
 from mmrl.rewards import RewardSet
 from mmrl.rollout.types import Trajectory
+from mmrl.utils.env import init_local_ray
 
 # A user's reward file: in tmp_path, not importable as a module from any worker's cwd or sys.path.
 USER_REWARDS = textwrap.dedent("""
@@ -61,8 +62,7 @@ def env(tmp_path_factory):
     plugin = root / "user_plugins" / "my_rewards_for_workers.py"
     plugin.parent.mkdir()
     plugin.write_text(USER_REWARDS)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield {"shards": shards, "plugin": str(plugin),
            "samples": load_all(str(shards / "train-{000000..000001}.tar"))}
     ray.shutdown()
@@ -248,3 +248,13 @@ def test_rewards_check_cli(env, tmp_path, capsys):
     assert main(["rewards", "check", "no_such_reward", "--shards", shards]) == 2
     err = capsys.readouterr().err
     assert "unknown reward plugin 'no_such_reward'" in err
+
+
+def test_workers_run_at_normal_priority(env):
+    """Ray starts workers at niceness 15 unless told otherwise; mmrl's engines, trainer ranks and
+    reward workers are all Ray workers, and at 15 any ordinary process on the machine starves them."""
+    @ray.remote
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote()) == 0

@@ -3,7 +3,6 @@ the judge (its output is garbage: the run must still give finite scores in range
 parse failures)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -59,9 +58,9 @@ def test_tiny_vlm_judge_in_a_reward_worker(tiny_model_dir, colors_samples) -> No
 
     from mmrl.rewards.workers import RewardPool
     from mmrl.rollout.types import Trajectory
+    from mmrl.utils.env import init_local_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}})
     try:
         samples = colors_samples[:3]

@@ -29,7 +29,7 @@ from mmrl.rollout.engine import RolloutEngine, engine_kwargs
 from mmrl.rollout.types import SamplingConfig, Trajectory
 from mmrl.trainer.update import LossSettings
 from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
-from mmrl.utils.env import apply_env, cleanup_shm, engine_env, resolve_device, rpc_dir
+from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
 from mmrl.utils.timing import StepSpans
 
 
@@ -79,7 +79,7 @@ def start_runtime(cfg: Config) -> Runtime:
         if cfg.cluster.ray_address:
             ray.init(address=cfg.cluster.ray_address, runtime_env={"env_vars": env})
         else:
-            ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
+            init_local_ray(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=True)
 
     processor = build_processor(cfg.processor.name, cfg.model.path, min_pixels=cfg.processor.min_pixels,

@@ -45,6 +45,19 @@ def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | 
     return env
 
 
+def init_local_ray(**ray_init_kwargs: object) -> None:
+    """Start a local Ray instance for mmrl's actors. Ray starts worker processes at niceness 15
+    by default (`RAY_worker_niceness`), which is right for a cluster where the driver must stay
+    responsive but wrong here: every engine, trainer rank and reward worker is a Ray worker, so
+    any ordinary process on the machine (a build, a browser, a second job) takes ~97% of the CPU
+    from training. mmrl's workers run at normal priority unless the caller set the variable."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(**ray_init_kwargs)
+
+
 STALE_BUILD_LOCK_S = 600.0  # DeepSpeed's CPU ops build in about a minute
 
 
