@@ -19,8 +19,8 @@ from mmrl.config.schema import Config
 from mmrl.controller.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, truncate_metrics
 from mmrl.controller.guard import StabilityGuard
 from mmrl.controller.loop import Runtime, evaluate, run_step, start_runtime
-from mmrl.controller.prompts import Pair, PromptBatches, process_samples
 from mmrl.controller.metrics import MetricsLogger
+from mmrl.controller.prompts import Pair, PromptBatches, process_samples
 from mmrl.utils.schedule import scheduled, warmup_factor
 from mmrl.utils.timing import StepSpans
 from mmrl.utils.trace import TraceWriter
