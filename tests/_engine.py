@@ -1,5 +1,5 @@
 """A real rollout engine (vLLM in a Ray actor, the tiny VLM) for tests that drive agent loops
-without the trainer: Ray, the engine actor, and processed colour prompts."""
+without the trainer: Ray, the engine actor, rollout workers running the agent loop, a processor."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -10,23 +10,32 @@ import ray
 
 
 @contextmanager
-def tiny_engine(model_dir: Path, run_dir: Path) -> Iterator[dict[str, Any]]:
-    """Start Ray (2 CPUs) and one RolloutEngine actor; yield {"engine", "processor", "forbidden"}."""
+def tiny_engine(model_dir: Path, run_dir: Path, agent_loop: str = "single_turn",
+                agent_loop_args: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Start Ray (2 CPUs), one RolloutEngine actor and one rollout worker running `agent_loop`;
+    yield {"engine", "workers", "processor", "forbidden"}."""
     from mmrl.processors import build_processor
     from mmrl.rollout.engine import RolloutEngine, engine_kwargs
+    from mmrl.rollout.workers import RolloutWorkers
     from mmrl.utils.env import engine_env, init_local_ray
 
     env = engine_env(run_dir, "cpu", {"VLLM_LOGGING_LEVEL": "WARNING"})
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    engine = None
+    engine = workers = None
     try:
         kwargs = engine_kwargs(str(model_dir), "float32", 0, {"max_model_len": 512, "enforce_eager": True,
                                                               "limit_mm_per_prompt": {"image": 1, "video": 0}})
         engine = RolloutEngine.as_actor({"num_cpus": 1}, kwargs, env)
         ray.get(engine.ready.remote(), timeout=600)
         processor = build_processor("auto", str(model_dir))
-        yield {"engine": engine, "processor": processor, "forbidden": processor.forbidden_token_ids}
+        workers = RolloutWorkers(1, [engine], {"name": "auto", "model_path": str(model_dir)}, agent_loop,
+                                 agent_loop_args)
+        workers.ready()
+        yield {"engine": engine, "workers": workers, "processor": processor,
+               "forbidden": processor.forbidden_token_ids}
     finally:
+        if workers is not None:
+            workers.close()
         if engine is not None:
             try:
                 ray.get(engine.shutdown.remote(), timeout=60)

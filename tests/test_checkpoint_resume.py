@@ -91,14 +91,14 @@ def test_resumed_run_matches_the_uninterrupted_run(runs: dict[str, Path]) -> Non
 
 
 _VLLM_GREEDY = textwrap.dedent("""
-    import json, sys
+    import asyncio, json, sys
     from pathlib import Path
 
-    def main():
+    async def main():
         from mmrl.data.stream import load_all
         from mmrl.processors import build_processor
         from mmrl.rollout.engine import RolloutEngine, engine_kwargs
-        from mmrl.rollout.types import SamplingConfig
+        from mmrl.rollout.types import RequestSampling
         from mmrl.utils.env import engine_env
 
         model, shards, keys = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -106,14 +106,14 @@ _VLLM_GREEDY = textwrap.dedent("""
         proc = build_processor("auto", model)
         samples = {s.key: s for s in load_all(shards)}
         engine = RolloutEngine({**engine_kwargs(model, "float32", 0, {}), "enforce_eager": True}, env)
-        groups = engine.generate([proc(samples[k]).vllm_input for k in keys],
-                                 SamplingConfig(n=1, max_new_tokens=2, greedy=True,
-                                                forbidden_token_ids=proc.forbidden_token_ids))
-        print("RESULT " + json.dumps([g[0].text for g in groups]))
-        engine.shutdown()
+        await engine.ready()
+        greedy = RequestSampling(max_tokens=2, greedy=True, forbidden_token_ids=proc.forbidden_token_ids)
+        texts = [(await engine.generate(proc(samples[k]).vllm_input, greedy)).text for k in keys]
+        print("RESULT " + json.dumps(texts))
+        await engine.shutdown()
 
     if __name__ == "__main__":
-        main()
+        asyncio.run(main())
 """)
 
 

@@ -13,7 +13,7 @@ import torch
 from mmrl.config import load_config
 from mmrl.controller.learn import logprob_pass, make_sequences
 from mmrl.controller.loop import Runtime, start_runtime
-from mmrl.rollout.agent_loops import RolloutContext, single_turn
+from mmrl.controller.rollout import run_rollout
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.plan import plan_updates
 
@@ -34,9 +34,9 @@ def runtime(tiny_model_dir: Path, colors_dir: Path, tmp_path_factory: pytest.Tem
     ray.shutdown()
 
 
-def _groups(rt: Runtime, prompts: list) -> list:
+def _groups(rt: Runtime, samples: list) -> list:
     sampling = SamplingConfig(n=4, max_new_tokens=4, temperature=1.0, forbidden_token_ids=rt.sampling.forbidden_token_ids)
-    return single_turn(RolloutContext(rt.engines, sampling, rt.weight_version), prompts)
+    return run_rollout(rt.workers, samples, sampling).groups
 
 
 def _mismatch(rt: Runtime, prompts: list, groups: list) -> float:
@@ -51,7 +51,7 @@ def test_lora_trains_adapters_and_engines_get_merged_weights(runtime: Runtime, c
     setup = ray.get([t.setup_info.remote() for t in rt.trainers])[0]
     assert 0 < setup["trainable"] < setup["params"] / 5, setup  # adapters only
     prompts = [rt.processor(s) for s in colors_samples[:6]]
-    groups = _groups(rt, prompts)
+    groups = _groups(rt, colors_samples[:6])
     assert _mismatch(rt, prompts, groups) <= 1e-4  # zero-initialised B: merged == base
 
     seqs = make_sequences(prompts, groups)
@@ -74,7 +74,7 @@ def test_lora_trains_adapters_and_engines_get_merged_weights(runtime: Runtime, c
 
     rt.weight_version += 1
     ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, 1.0) for t in rt.trainers])
-    groups = _groups(rt, prompts)
+    groups = _groups(rt, colors_samples[:6])
     assert _mismatch(rt, prompts, groups) <= 1e-4  # the engine runs the merged policy
     seqs = make_sequences(prompts, groups)
     logprob_pass(rt.trainers, seqs, rt.cfg, old=True, reference=True)

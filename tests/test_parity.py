@@ -14,7 +14,7 @@ import torch
 from mmrl.config import load_config
 from mmrl.controller.learn import make_sequences
 from mmrl.controller.loop import Runtime, start_runtime
-from mmrl.rollout.agent_loops import RolloutContext, single_turn
+from mmrl.controller.rollout import run_rollout
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.batch import TrainSequence
 from mmrl.trainer.plan import MiniBatch, StepInputs, plan_forward_only, plan_updates
@@ -41,9 +41,10 @@ def _engine_logs() -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(logs.glob("worker-*")) if p.suffix in (".out", ".err"))
 
 
-def _rollout_and_compare(rt: Runtime, prompts: list) -> tuple[list, np.ndarray]:
+def _rollout_and_compare(rt: Runtime, samples: list) -> tuple[list, list, np.ndarray]:
     sampling = SamplingConfig(n=4, max_new_tokens=8, temperature=1.0, forbidden_token_ids=rt.sampling.forbidden_token_ids)
-    groups = single_turn(RolloutContext(rt.engines, sampling, rt.weight_version), prompts)
+    rollout = run_rollout(rt.workers, samples, sampling)  # the rollout workers and single_turn, as in training
+    prompts, groups = rollout.prompts, rollout.groups
     seqs = [TrainSequence.from_prompt(prompts[i], t.response_ids, t.behaviour_logprobs, t.loss_mask)
             for i, g in enumerate(groups) for t in g]
     chunks, order = plan_forward_only(seqs, world_size=len(rt.trainers), micro_batch_size=8)
@@ -52,15 +53,15 @@ def _rollout_and_compare(rt: Runtime, prompts: list) -> tuple[list, np.ndarray]:
     diffs = np.concatenate([np.abs(np.asarray(trainer_lps[i]) - np.asarray(s.behaviour_logprobs))
                             for i, s in enumerate(seqs)])
     assert all(t.weight_version == rt.weight_version for g in groups for t in g)
-    return groups, diffs
+    assert all(set(t.token_versions) == {rt.weight_version} for g in groups for t in g)
+    return prompts, groups, diffs
 
 
 def test_logprob_parity_before_and_after_weight_sync(runtime: Runtime, colors_samples: list) -> None:
     rt = runtime
-    prompts = [rt.processor(s) for s in colors_samples[:8]]
+    samples = colors_samples[:8]
+    prompts, groups, before = _rollout_and_compare(rt, samples)
     assert all("image" in p.vllm_input["multi_modal_data"] for p in prompts)
-
-    groups, before = _rollout_and_compare(rt, prompts)
     assert before.size >= 8 * 4 and before.mean() <= 1e-4, before.mean()
 
     # one real training step with random advantages moves the trainer's weights
@@ -72,7 +73,7 @@ def test_logprob_parity_before_and_after_weight_sync(runtime: Runtime, colors_sa
     stats = ray.get([t.train_step.remote(x) for t, x in zip(rt.trainers, inputs)])
     assert stats[0]["grad_norms"][0] > 0 and stats[0]["skipped_updates"] == 0
 
-    _, control = _rollout_and_compare(rt, prompts)  # engine: old weights; trainer: new
+    _, _, control = _rollout_and_compare(rt, samples)  # engine: old weights; trainer: new
     assert control.mean() > 1e-2, control.mean()
 
     checksum_old = ray.get(rt.engines[0].weights_checksum.remote())
@@ -82,7 +83,7 @@ def test_logprob_parity_before_and_after_weight_sync(runtime: Runtime, colors_sa
     assert ray.get(rt.engines[0].weights_checksum.remote()) != checksum_old
     assert ray.get(rt.engines[0].get_weight_version.remote()) == rt.weight_version
 
-    _, after = _rollout_and_compare(rt, prompts)
+    _, _, after = _rollout_and_compare(rt, samples)
     assert after.mean() <= 1e-4, after.mean()
     # The reload warns "<Class>: Failed to load weights" for modules that hold no checkpoint
     # weights (rotary tables, image normalisation); the engine's processes drop exactly those

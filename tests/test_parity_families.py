@@ -15,6 +15,7 @@ from transformers import AutoModelForImageTextToText
 from mmrl.data.sample import Sample, Video, messages_from_prompt
 from mmrl.models.tiny_vlm import build_tiny_vlm
 from mmrl.processors import build_processor
+from mmrl.rollout.client import generate_groups
 from mmrl.rollout.engine import RolloutEngine, engine_kwargs
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
@@ -61,7 +62,8 @@ def test_video_and_multi_image_parity(arch: str, tmp_path: Path, colors_samples:
     engine = RolloutEngine.as_actor({"num_cpus": 1}, llm_kwargs, env)
     try:
         sampling = SamplingConfig(n=3, max_new_tokens=6, forbidden_token_ids=proc.forbidden_token_ids)
-        groups = ray.get(engine.generate.remote([p.vllm_input for p in prompts], sampling))
+        ray.get(engine.ready.remote())
+        groups = generate_groups([engine], [p.vllm_input for p in prompts], sampling)
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine)

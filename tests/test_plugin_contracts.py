@@ -106,50 +106,99 @@ def test_policy_loss_contract(name: str) -> None:
 
 @pytest.mark.parametrize("name", _names("agent_loop"))
 def test_agent_loop_signature(name: str) -> None:
-    # Called as loop(ctx, prompts); the real engine run is test_agent_loop_contract below.
-    params = list(inspect.signature(registry.resolve("agent_loop", name)).parameters)
-    assert len(params) >= 2
+    # Called as `await loop(ctx, sample, prompt)` once per trajectory; the real engine run is
+    # test_agent_loop_contract below.
+    loop = registry.resolve("agent_loop", name)
+    assert inspect.iscoroutinefunction(loop), f"agent loop {name!r} must be an async function"
+    assert len(inspect.signature(loop).parameters) >= 3
+
+
+# A two-turn loop from a file, as a user would write one: the model answers, a "tool" line is
+# inserted (not trained on), the model answers again on the same engine.
+TWO_TURN_LOOP = """
+from dataclasses import replace
+
+from mmrl.rollout.agent_loops import make_trajectory
+
+
+async def two_turn(ctx, sample, prompt):
+    first = await ctx.client.generate(prompt.vllm_input, ctx.sampling)
+    tool_ids = ctx.processor.tokenizer.encode(ctx.args["tool_text"], add_special_tokens=False)
+    second_prompt = dict(prompt.vllm_input)
+    second_prompt["prompt_token_ids"] = list(prompt.vllm_input["prompt_token_ids"]) + first.token_ids + tool_ids
+    second = await ctx.client.generate(second_prompt, replace(ctx.sampling, seed=None if ctx.sampling.seed is None
+                                                                else ctx.sampling.seed + 1))
+    return make_trajectory([first, second], between=[(tool_ids, ctx.args["tool_text"])])
+"""
 
 
 @pytest.fixture(scope="module")
-def engine_and_prompts(tiny_model_dir: Path, colors_samples: list, tmp_path_factory: pytest.TempPathFactory):
+def engine_for_loops(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from _engine import tiny_engine
 
     with tiny_engine(tiny_model_dir, tmp_path_factory.mktemp("agent_loop_run")) as eng:
-        yield eng, [eng["processor"](s) for s in colors_samples[:6]]
+        yield eng
+
+
+def _run_loop(eng: dict, spec: str, samples: list, n: int, args: dict | None = None):
+    from mmrl.controller.rollout import run_rollout
+    from mmrl.rollout.types import SamplingConfig
+    from mmrl.rollout.workers import RolloutWorkers
+
+    workers = RolloutWorkers(1, [eng["engine"]], {"name": "auto", "model_path": eng["processor"].model_path},
+                             spec, args)
+    try:
+        workers.ready()
+        sampling = SamplingConfig(n=n, max_new_tokens=4, forbidden_token_ids=eng["forbidden"], seed=5)
+        arrived: list[int] = []
+        rollout = run_rollout(workers, samples, sampling, on_group=lambda slot, s, g: arrived.append(slot))
+        return rollout, arrived
+    finally:
+        workers.close()
+
+
+def _check_trajectories(rollout, samples: list, n: int) -> None:
+    assert [s.key for s in rollout.samples] == [s.key for s in samples]
+    for slot, group in enumerate(rollout.groups):
+        assert len(group) == n
+        for t in group:
+            assert t.prompt_index == slot
+            assert len(t.behaviour_logprobs) == len(t.response_ids) == len(t.loss_mask) == len(t.token_versions)
+            assert set(t.loss_mask) <= {0, 1} and sum(t.loss_mask) > 0
+            sampled = [v for v, m in zip(t.token_versions, t.loss_mask) if m]
+            assert sampled and set(sampled) == {0} and t.weight_version == 0  # nothing was synced
+            assert all(lp <= 0 for lp, m in zip(t.behaviour_logprobs, t.loss_mask) if m)
+            assert t.timings["engine"] == 0 and t.timings["requests"] >= 1
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _names("agent_loop"))
-def test_agent_loop_contract(name: str, engine_and_prompts) -> None:
-    """One group per prompt, in order; groups reported through ctx.report at most once each and
-    only in their final form (the controller scores them while the rollout goes on)."""
-    from mmrl.rollout.agent_loops import RolloutContext
-    from mmrl.rollout.types import SamplingConfig
+def test_agent_loop_contract(name: str, engine_for_loops: dict, colors_samples: list) -> None:
+    """One trajectory per call, `n` calls per sample; every group comes back once, with the
+    prompt's slot, aligned per-token fields, versions and the engine it ran on; seeded
+    trajectories are reproducible."""
+    samples = colors_samples[:5]
+    rollout, arrived = _run_loop(engine_for_loops, name, samples, n=3)
+    assert sorted(arrived) == list(range(5))
+    _check_trajectories(rollout, samples, n=3)
+    again, _ = _run_loop(engine_for_loops, name, samples, n=3)
+    assert [[t.response_ids for t in g] for g in again.groups] == [[t.response_ids for t in g] for g in rollout.groups]
 
-    eng, prompts = engine_and_prompts
-    loop = registry.resolve("agent_loop", name)
-    sampling = SamplingConfig(n=2, max_new_tokens=4, forbidden_token_ids=eng["forbidden"])
-    reported: dict[int, list[list[int]]] = {}
 
-    def on_groups(indices: list[int], groups: list) -> None:
-        assert len(indices) == len(groups)
-        for i, g in zip(indices, groups):
-            assert i not in reported, f"group {i} reported twice"
-            reported[i] = [list(t.response_ids) for t in g]
-
-    for chunks in (1, 3):
-        reported.clear()
-        ctx = RolloutContext([eng["engine"]], sampling, 7, on_groups=on_groups, chunks_per_engine=chunks)
-        groups = loop(ctx, prompts)
-        assert len(groups) == len(prompts)
-        for i, g in enumerate(groups):
-            assert len(g) == 2 and all(t.prompt_index == i and t.weight_version == 7 for t in g)
-            assert all(len(t.behaviour_logprobs) == len(t.response_ids) == len(t.loss_mask) for t in g)
-            if i in reported:
-                assert reported[i] == [list(t.response_ids) for t in g], "reported group changed afterwards"
-    # without a listener (evaluation) the loop works the same
-    assert len(loop(RolloutContext([eng["engine"]], sampling, 7), prompts[:2])) == 2
+@pytest.mark.slow
+def test_a_multi_turn_loop_from_a_file(engine_for_loops: dict, colors_samples: list, tmp_path: Path) -> None:
+    plugin = tmp_path / "my_loops.py"
+    plugin.write_text(TWO_TURN_LOOP)
+    samples = colors_samples[:3]
+    rollout, _ = _run_loop(engine_for_loops, f"{plugin}:two_turn", samples, n=2, args={"tool_text": " tool says: red"})
+    _check_trajectories(rollout, samples, n=2)
+    tool_ids = engine_for_loops["processor"].tokenizer.encode(" tool says: red", add_special_tokens=False)
+    for group in rollout.groups:
+        for t in group:
+            assert t.timings["requests"] == 2
+            masked = [tok for tok, m in zip(t.response_ids, t.loss_mask) if not m]
+            assert masked == tool_ids and "tool says: red" in t.text
+            assert all(lp == 0.0 for lp, m in zip(t.behaviour_logprobs, t.loss_mask) if not m)
 
 
 @pytest.mark.parametrize("name", _names("processor"))

@@ -1,8 +1,9 @@
 """Reward scoring overlaps the rollout: a real vLLM engine (tiny VLM, Ray actor) generates the
-step in chunks, single_turn reports each finished chunk, and the reward workers score those
-groups while the rollout still runs. No clock decides the outcome: the rollout's last chunk is
-held until the first chunk's scoring has begun, which only happens if reported groups go to the
-workers at once (otherwise the wait runs into its bound and the test fails)."""
+step's groups through a rollout worker, each group goes to the reward workers as soon as it comes
+back, and the reward workers score it while the rollout still runs. No clock decides the
+outcome: the rollout's last group is held until the first group's scoring has begun, which only
+happens if finished groups go to the workers at once (otherwise the wait runs into its bound and
+the test fails)."""
 from __future__ import annotations
 
 import textwrap
@@ -28,51 +29,46 @@ STAMP_REWARD = textwrap.dedent("""
 
 
 def test_rewards_start_before_the_rollout_ends(tiny_model_dir: Path, colors_samples: list, tmp_path: Path) -> None:
+    from mmrl.controller.rollout import run_rollout
     from mmrl.rewards.workers import RewardPool, RewardStream
-    from mmrl.rollout.agent_loops import RolloutContext, single_turn
     from mmrl.rollout.types import SamplingConfig
 
     plugin = tmp_path / "stamp_reward.py"
     plugin.write_text(STAMP_REWARD)
     with tiny_engine(tiny_model_dir, tmp_path / "run") as eng:
         samples = colors_samples[:16]
-        prompts = [eng["processor"](s) for s in samples]
         sampling = SamplingConfig(n=4, max_new_tokens=16, temperature=1.0, forbidden_token_ids=eng["forbidden"])
         markers = tmp_path / "started"
         markers.mkdir()
         with RewardPool([{"name": f"{plugin}:stamp", "args": {"marker_dir": str(markers)}}, {"name": "shape_colour"}],
                         num_workers=1, timeout_s=30) as pool:
             # warm the engine (the first request on a cold engine is slow), untimed
-            single_turn(RolloutContext([eng["engine"]], sampling, 0), prompts[:2])
+            run_rollout(eng["workers"], samples[:2], sampling)
 
             stream = RewardStream(pool, samples, decode=eng["processor"].decode)
-            arrivals: list[tuple[float, list[int]]] = []
+            arrivals: list[tuple[float, int]] = []
 
-            def on_groups(indices: list[int], groups: list) -> None:
-                if len(arrivals) == 3:  # the last chunk: hold it until the first chunk is being scored
-                    first = [samples[i].key for i in arrivals[0][1]]
+            def on_group(slot: int, sample, group: list) -> None:
+                if len(arrivals) == len(samples) - 1:  # the last group: hold it until the first is being scored
+                    first = samples[arrivals[0][1]].key
                     deadline = time.monotonic() + 300
-                    while not any((markers / key).exists() for key in first):
-                        assert time.monotonic() < deadline, "the first chunk was not scored during the rollout"
+                    while not (markers / first).exists():
+                        assert time.monotonic() < deadline, "the first group was not scored during the rollout"
                         time.sleep(0.02)
-                arrivals.append((time.time(), indices))
-                stream.submit(indices, groups)
+                arrivals.append((time.time(), slot))
+                stream.submit([slot], [group])
 
-            ctx = RolloutContext([eng["engine"]], sampling, 0, on_groups=on_groups, chunks_per_engine=4)
-            groups = single_turn(ctx, prompts)
+            groups = run_rollout(eng["workers"], samples, sampling, on_group=on_group).groups
             rollout_end = time.time()
             report = stream.finish(groups)
 
-    # the agent-loop contract: every group reported once, in chunks, final and in prompt order
-    reported = sorted(i for _, idx in arrivals for i in idx)
-    assert reported == list(range(16)) and len(arrivals) == 4
+    # every group submitted once, as it came back, and returned in slot order
+    assert sorted(slot for _, slot in arrivals) == list(range(16))
     assert [t.prompt_index for g in groups for t in g] == [i for i in range(16) for _ in range(4)]
 
-    # scoring of the first chunk began before the last chunk came back from the engine
-    starts = {t.prompt_index: min(x.reward_components["stamp/t"] for x in g) for g in groups for t in g[:1]}
-    last_arrival = arrivals[-1][0]
-    early = [i for i in arrivals[0][1] if starts[i] < last_arrival]
-    assert early, (starts, arrivals)
+    # scoring of the first group began before the last group came back from the engine
+    starts = {g[0].prompt_index: min(x.reward_components["stamp/t"] for x in g) for g in groups}
+    assert starts[arrivals[0][1]] < arrivals[-1][0], (starts, arrivals)
     assert min(starts.values()) < rollout_end
 
     metrics = report.metrics()

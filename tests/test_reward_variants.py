@@ -256,7 +256,7 @@ def test_reward_stream_scores_reported_groups_early(ray_session, user_file, tmp_
     with RewardPool([{"name": "answer_match"}], num_workers=1, timeout_s=10) as pool:
         stream = RewardStream(pool, samples[:1])
         stream.submit([0], [_group(0, ["red"])])
-        with pytest.raises(RuntimeError, match="changed the group"):
+        with pytest.raises(RuntimeError, match="changed after it was submitted"):
             stream.finish([_group(0, ["blue"])])
 
 

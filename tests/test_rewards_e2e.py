@@ -6,7 +6,8 @@ One run covers what a user's reward file needs to work in training:
   * the policy learns from them (rewards and held-out accuracy rise over 40 steps);
   * a reward that raises on some samples and one that hangs past reward_execution.timeout_s do
     not stop training, and their failure/timeout counts reach metrics.jsonl;
-  * groups are scored as their chunk finishes (rollout.chunks_per_engine) and the overlap is logged.
+  * groups are scored as they finish (each group goes to the reward workers when the rollout
+    worker returns it) and the overlap is logged.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def test_user_reward_file_trains_and_failures_do_not_stop_it(tiny_model_dir: Pat
            f"data.heldout_shards={colors_dir}/heldout-000000.tar", f"run.output_dir={run_dir}",
            "run.seed=0", "run.max_steps=40", "run.time_limit_s=null", "eval.every_steps=20", "eval.num_prompts=32",
            "trainer.lr=2e-3",
-           "reward_execution.timeout_s=2", "rollout.chunks_per_engine=4", "logging.progress_bar=false"]
+           "reward_execution.timeout_s=2", "logging.progress_bar=false"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -112,7 +113,7 @@ def test_user_reward_file_trains_and_failures_do_not_stop_it(tiny_model_dir: Pat
     assert sum(r.get("reward/timeouts/hang", 0.0) for r in steps) > 0
     assert all(r["reward/dropped_groups"] == 0 for r in steps)  # on_error: zero
 
-    # every group went to the reward workers as its chunk finished (4 generate calls per step);
+    # every group went to the reward workers as it came back from the rollout worker;
     # how much scoring then overlapped depends on the machine's load, so it is logged, not asserted
     # here (tests/test_reward_overlap.py proves the overlap without a clock)
     assert all(r["reward/groups_reported_early"] == 1.0 for r in steps)

@@ -145,7 +145,8 @@ def _check_positive(cfg: Config) -> None:
         "rollout.group_size": cfg.rollout.group_size >= 2,
         "rollout.max_new_tokens": cfg.rollout.max_new_tokens >= 1,
         "rollout.num_engines": cfg.rollout.num_engines >= 1,
-        "rollout.chunks_per_engine": cfg.rollout.chunks_per_engine >= 1,
+        "rollout.num_workers": cfg.rollout.num_workers >= 1,
+        "rollout.max_requests_per_engine": cfg.rollout.max_requests_per_engine >= 1,
         "rollout.temperature": cfg.rollout.temperature > 0,
         "trainer.world_size": cfg.trainer.world_size >= 1,
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size >= 1,
@@ -188,6 +189,14 @@ def _check_positive(cfg: Config) -> None:
     if cfg.stability.enabled and not cfg.checkpoint.every_steps:
         raise ConfigError("Config key 'stability.enabled' is true but 'checkpoint.every_steps' is 0: the guard rolls "
                           "back to a checkpoint. Set checkpoint.every_steps (e.g. 25) or stability.enabled=false.")
+    if cfg.rollout.max_staleness < 0:
+        raise ConfigError(f"Bad value for config key 'rollout.max_staleness': {cfg.rollout.max_staleness}. It counts "
+                          f"weight versions: 0 (on-policy) or more.")
+    buffered = cfg.rollout.max_buffered_groups
+    if buffered is not None and buffered < cfg.rollout.prompts_per_step:
+        raise ConfigError(f"Bad value for config key 'rollout.max_buffered_groups': {buffered}. A step takes "
+                          f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} groups from the buffer: give at "
+                          f"least that many, or null for prompts_per_step * (max_staleness + 1).")
     if len(cfg.trainer.betas) != 2:
         raise ConfigError(f"Bad value for config key 'trainer.betas': {cfg.trainer.betas}; give two numbers, "
                           f"e.g. [0.9, 0.999].")

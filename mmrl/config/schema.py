@@ -100,14 +100,48 @@ class ProcessorConfig:
     max_prompt_tokens: int = 1024
 
 
+class PartialRollout(str, Enum):
+    # at a weight update, in-flight requests are frozen and continue under the new weights
+    keep = "keep"
+    # ... or aborted and resubmitted with the tokens they have as a prefix
+    abort = "abort"
+    # ... or the update waits until they finish (no new request starts meanwhile): every
+    # trajectory is sampled by one weight version; the update waits for the longest one
+    wait = "wait"
+
+
+class RolloutMode(str, Enum):
+    # rollout, then update, then weight sync, strictly in turn
+    sync = "sync"
+    # generation goes on while the trainer trains (controller/async_rollout.py)
+    async_ = "async"
+
+
 @dataclass
 class RolloutConfig:
+    # Per-trajectory agent loop (rollout/agent_loops.py): a registered name, module:attr or file.py:attr.
     agent_loop: str = "single_turn"
+    # Passed to the agent loop as ctx.args.
+    agent_loop_args: dict[str, Any] = field(default_factory=dict)
     num_engines: int = 1
+    mode: RolloutMode = RolloutMode.sync
+    # async: a group whose oldest token is more than this many weight versions behind the
+    # trainer is dropped (async/dropped_stale_groups).
+    max_staleness: int = 1
+    # async: groups drawn but not yet trained on (in flight, being scored, buffered); null =
+    # prompts_per_step * (max_staleness + 1).
+    max_buffered_groups: Optional[int] = None
+    # Rollout-worker actors (asyncio) that run the processor and the agent loops.
+    num_workers: int = 1
+    # Back-pressure: requests one router keeps in flight on one engine (more wait their turn).
+    max_requests_per_engine: int = 256
+    # What a weight update does to requests in flight (see PartialRollout).
+    partial: PartialRollout = PartialRollout.keep
+    # true: a weight update drops the KV cache, frozen requests recompute their prefix under the
+    # new weights (their later tokens are exactly the new policy's); false: keep the old KV
+    # (faster; the mismatch it causes shows in mismatch/* and the correction covers it).
+    recompute_kv: bool = True
     prompts_per_step: int = 32
-    # Generate calls per engine per step: each finished call's groups go to the reward workers
-    # while the engine runs the next, so scoring overlaps the rollout (1 = score after it).
-    chunks_per_engine: int = 2
     group_size: int = 8
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -118,7 +152,7 @@ class RolloutConfig:
     # Seed every step's sampling from (run.seed, step): rollouts are then reproducible, and a
     # resumed run samples what the uninterrupted one would have. false = the engine's own RNG.
     seed_per_step: bool = True
-    # Passed verbatim to vllm.LLM(...) (e.g. enforce_eager, max_model_len, gpu_memory_utilization).
+    # Passed verbatim to vLLM's engine arguments (e.g. enforce_eager, max_model_len, gpu_memory_utilization).
     engine_args: dict[str, Any] = field(default_factory=dict)
     # Extra environment for the engine process (e.g. VLLM_CPU_KVCACHE_SPACE).
     engine_env: dict[str, str] = field(default_factory=dict)
@@ -215,6 +249,17 @@ class EntropyScheduleConfig:
     end_coef: float = 0.0
 
 
+class OldLogprobs(str, Enum):
+    # recompute pi_old on the trainer when it differs from the trained policy: several updates
+    # per batch, or an async run (there it is the proximal policy of the decoupled objective:
+    # PPO clips pi/pi_prox, the rollout correction weighs pi_prox/mu)
+    auto = "auto"
+    recompute = "recompute"  # always (one extra no-grad pass per step)
+    # never: the engines' behaviour logprobs mu are pi_old (the ratio is pi/mu, clipped; the
+    # rollout correction then has nothing to weigh). Saves the pass; coupled PPO on stale data.
+    behaviour = "behaviour"
+
+
 @dataclass
 class AlgorithmConfig:
     advantage: str = "grpo"
@@ -232,6 +277,8 @@ class AlgorithmConfig:
     # recomputed once before the first update (the "logprob" span).
     ppo_epochs: int = 1
     mini_batches: int = 1
+    # What the PPO ratio divides by (see OldLogprobs).
+    old_logprobs: OldLogprobs = OldLogprobs.auto
     kl: KLConfig = field(default_factory=KLConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)

@@ -24,8 +24,13 @@ from mmrl.utils.timing import StepSpans
 
 
 def needs_old_logprobs(cfg: Config) -> bool:
-    """π_old differs from the policy being trained once a batch gets more than one update."""
-    return cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches > 1
+    """π_old differs from the policy being trained once a batch gets more than one update. In an
+    async run it is the proximal policy π_prox of the decoupled objective: the PPO ratio is
+    π/π_prox, and the rollout correction weighs π_prox/μ (μ: the engines' stale behaviour)."""
+    mode = cfg.algorithm.old_logprobs.value
+    if mode != "auto":
+        return mode == "recompute"
+    return cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches > 1 or cfg.rollout.mode.value == "async"
 
 
 def needs_reference(cfg: Config) -> bool:
@@ -97,11 +102,15 @@ def update_policy(trainers: Sequence[Any], cfg: Config, prompts: Sequence[Proces
     seqs = make_sequences(prompts, groups)
     rewards_BG = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
     old, reference = needs_old_logprobs(cfg), needs_reference(cfg)
+    if cfg.algorithm.old_logprobs.value == "behaviour":
+        for seq in seqs:
+            seq.old_logprobs = list(seq.behaviour_logprobs)
     kl_in_reward = reference and cfg.algorithm.kl.placement.value == "reward"
     if old or reference:
         with spans("logprob"):
-            # KL in the reward is measured against π_old: recompute it too
-            logprob_pass(trainers, seqs, cfg, old=old or kl_in_reward, reference=reference)
+            # KL in the reward is measured against π_old: recompute it too (unless π_old is μ)
+            logprob_pass(trainers, seqs, cfg, old=old or (kl_in_reward and cfg.algorithm.old_logprobs.value != "behaviour"),
+                         reference=reference)
     if kl_in_reward:
         kl_B = sequence_kl_B(seqs, cfg.algorithm.kl.estimator)
         rewards_BG = rewards_BG - cfg.algorithm.kl.coef * kl_B.view(rewards_BG.shape)

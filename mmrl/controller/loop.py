@@ -1,6 +1,7 @@
-"""The live processes of a run (Runtime: engines, trainer ranks, reward workers) and one synchronous
-step: rollout -> rewards -> (dynamic sampling) -> update (controller/learn.py) -> weight sync. The
-run itself (resume, checkpoints, stability guard, metrics) is controller/train.py."""
+"""The live processes of a run (Runtime: engines, rollout workers, trainer ranks, reward workers)
+and one synchronous step: rollout (controller/rollout.py) -> rewards -> (dynamic sampling) ->
+update (controller/learn.py) -> weight sync. The run itself (resume, checkpoints, stability guard,
+metrics) is controller/train.py."""
 from __future__ import annotations
 
 import json
@@ -16,17 +17,18 @@ import numpy as np
 import ray
 import torch
 
-from mmrl import registry
 from mmrl.config.load import to_yaml
 from mmrl.config.schema import Config
 from mmrl.controller.learn import needs_reference, update_policy
 from mmrl.controller.placement import placement_plan
 from mmrl.data.sample import Sample
+from mmrl.controller.prompts import SampleBatches
+from mmrl.controller.rollout import EngineMonitor, rollout_and_score_groups, run_rollout
 from mmrl.processors import ProcessedPrompt, build_processor
-from mmrl.rewards.workers import RewardPool, RewardStream
-from mmrl.rollout.agent_loops import RolloutContext
+from mmrl.rewards.workers import RewardPool
 from mmrl.rollout.engine import RolloutEngine, engine_kwargs
 from mmrl.rollout.types import SamplingConfig, Trajectory
+from mmrl.rollout.workers import RolloutWorkers
 from mmrl.trainer.update import LossSettings
 from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
 from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
@@ -50,11 +52,14 @@ class Runtime:
     rewards: RewardPool
     sampling: SamplingConfig
     engines: list[Any]
+    workers: RolloutWorkers
     trainers: list[Any]
     weight_version: int = 0
+    monitor: EngineMonitor | None = None  # per-step engine metrics
 
     def close(self) -> None:
         self.rewards.close()
+        self.workers.close()
         try:
             ray.get([a.shutdown.remote() for a in self.trainers + self.engines], timeout=60)
         except Exception as e:  # still kill the actors below; say why the clean stop failed
@@ -82,9 +87,12 @@ def start_runtime(cfg: Config) -> Runtime:
             init_local_ray(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=True)
 
-    processor = build_processor(cfg.processor.name, cfg.model.path, min_pixels=cfg.processor.min_pixels,
-                                max_pixels=cfg.processor.max_pixels, max_prompt_tokens=cfg.processor.max_prompt_tokens,
-                                trust_remote_code=cfg.model.trust_remote_code)
+    processor_spec = dict(name=cfg.processor.name, model_path=cfg.model.path, min_pixels=cfg.processor.min_pixels,
+                          max_pixels=cfg.processor.max_pixels, max_prompt_tokens=cfg.processor.max_prompt_tokens,
+                          trust_remote_code=cfg.model.trust_remote_code)
+    # The driver's processor decodes responses for the rewards and declares the media limits;
+    # prompts are processed in the rollout workers.
+    processor = build_processor(**processor_spec)
     forbidden = processor.forbidden_token_ids if cfg.rollout.forbid_vision_tokens else []
     sampling = SamplingConfig(n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -96,7 +104,8 @@ def start_runtime(cfg: Config) -> Runtime:
         llm_kwargs.setdefault("enforce_eager", True)
         if cfg.rollout.seed_per_step:
             llm_kwargs.setdefault("enable_chunked_prefill", False)  # see RolloutEngine.generate
-    engines = [RolloutEngine.as_actor(p.ray_options(), {**llm_kwargs, "seed": cfg.run.seed + p.index}, env)
+    engines = [RolloutEngine.as_actor(p.ray_options(), {**llm_kwargs, "seed": cfg.run.seed + p.index}, env,
+                                      partial=cfg.rollout.partial.value, recompute_kv=cfg.rollout.recompute_kv)
                for p in plan if p.role == "rollout"]
     trainer_opts = next(p for p in plan if p.role == "trainer").ray_options()
     alg = cfg.algorithm
@@ -126,21 +135,26 @@ def start_runtime(cfg: Config) -> Runtime:
                          num_workers=cfg.reward_execution.num_workers, timeout_s=cfg.reward_execution.timeout_s,
                          on_error=cfg.reward_execution.on_error.value, start_timeout_s=300.0,
                          actor_options=next(p for p in plan if p.role == "reward").ray_options())
+    workers = RolloutWorkers(cfg.rollout.num_workers, engines, processor_spec, cfg.rollout.agent_loop,
+                             cfg.rollout.agent_loop_args, cfg.rollout.max_requests_per_engine)
     ray.get([t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines])
+    workers.ready()
     return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
-                   sampling=sampling, engines=engines, trainers=trainers)
+                   sampling=sampling, engines=engines, workers=workers, trainers=trainers,
+                   monitor=EngineMonitor(engines))
 
 
-def evaluate(rt: Runtime, heldout: list[tuple[Sample, ProcessedPrompt]]) -> dict[str, float]:
-    """Greedy decoding on the held-out prompts; correct when the reward score >= eval.threshold."""
-    loop = registry.resolve("agent_loop", rt.cfg.rollout.agent_loop)
+def evaluate(rt: Runtime, heldout: list[Sample]) -> dict[str, float]:
+    """Greedy decoding on the held-out samples; correct when the reward score >= eval.threshold.
+    A held-out sample the processor refuses is left out (and logged once)."""
     greedy = SamplingConfig(n=1, max_new_tokens=rt.sampling.max_new_tokens, temperature=1.0,
                             forbidden_token_ids=rt.sampling.forbidden_token_ids, greedy=True)
-    groups = loop(RolloutContext(rt.engines, greedy, rt.weight_version), [p for _, p in heldout])
-    samples = [s for s, _ in heldout]
+    rollout = run_rollout(rt.workers, heldout, greedy, cache_prompts=True, on_failure=_warn_heldout_failure)
+    samples, groups = rollout.samples, rollout.groups
     rt.rewards.score(samples, groups, decode=rt.processor.decode, on_error="zero")
     correct = [g[0].reward >= rt.cfg.eval.threshold for g in groups]
-    metrics = {"eval/heldout_accuracy": float(np.mean(correct)), "eval/num_prompts": float(len(correct))}
+    metrics = {"eval/heldout_accuracy": float(np.mean(correct)) if correct else 0.0,
+               "eval/num_prompts": float(len(correct))}
     # Accuracy per answer (when answers are a small set of labels) shows which class is stuck.
     answers = [s.answer for s in samples]
     if all(isinstance(a, str) for a in answers) and len(set(answers)) <= 20:
@@ -154,6 +168,15 @@ def evaluate(rt: Runtime, heldout: list[tuple[Sample, ProcessedPrompt]]) -> dict
     return metrics
 
 
+_warned_heldout: set[str] = set()
+
+
+def _warn_heldout_failure(bad: Any) -> None:
+    if bad.key not in _warned_heldout:
+        _warned_heldout.add(bad.key)
+        print(f"[mmrl] held-out sample {bad.key!r} left out of evaluation ({bad.reason}): {bad.detail}")
+
+
 def step_seed(*parts: int) -> int:
     """A 62-bit seed hashed from integers: far apart for neighbouring inputs (vLLM derives each
     request's seed from it by small offsets), and stable across processes."""
@@ -161,42 +184,34 @@ def step_seed(*parts: int) -> int:
     return (int(state[0]) << 30) ^ int(state[1])
 
 
-def rollout_and_score(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], agent_loop: Any,
-                      spans: StepSpans) -> tuple[list[ProcessedPrompt], list[list[Trajectory]], dict[str, float]]:
-    """Roll out a batch of prompts and score the groups. Returns the prompts and groups that take
-    part in the update (a group whose reward failed under on_error=drop_group does not) and the
-    reward/rollout metrics."""
-    samples, prompts = [s for s, _ in pairs], [p for _, p in pairs]
-    # Groups the agent loop reports as final are scored while the rest still roll out; the
-    # "reward" span is only the wait that is left after the rollout (see RewardStream).
-    stream = RewardStream(rt.rewards, samples, decode=rt.processor.decode)
-    ctx = RolloutContext(rt.engines, rt.sampling, rt.weight_version, on_groups=stream.submit,
-                         chunks_per_engine=rt.cfg.rollout.chunks_per_engine)
-    t_rollout = time.time()
-    with spans("rollout"):
-        groups = agent_loop(ctx, prompts)
-    # each engine's busy time within the rollout (trace track and time/rollout/engine_<i>_s)
-    busy: dict[int, float] = {}
-    for t in (t for g in groups for t in g):
-        if "engine" in t.timings:
-            busy[t.timings["engine"]] = max(busy.get(t.timings["engine"], 0.0), t.timings.get("generate_s", 0.0))
-    for engine, seconds in sorted(busy.items()):
-        spans.add(f"rollout/engine_{engine}", t_rollout, seconds)
-    with spans("reward"):
-        report = stream.finish(groups)
-        metrics = report.metrics()
-        lengths = [len(t.response_ids) for g in groups for t in g]
-        prompts = [p for p, keep in zip(prompts, report.keep) if keep]
-        groups = [g for g, keep in zip(groups, report.keep) if keep]
+def rollout_and_score(rt: Runtime, samples: list[Sample], spans: StepSpans,
+                      batches: SampleBatches | None = None) -> tuple[list[ProcessedPrompt], list[list[Trajectory]],
+                                                                      list[Sample], dict[str, float]]:
+    """Roll out a batch of samples and score the groups. Returns the prompts, groups and samples
+    that take part in the update (a group whose reward failed under on_error=drop_group does
+    not) and the reward/rollout metrics. With `batches`, a refused sample is quarantined there
+    and its slot refilled from the stream."""
+    def on_failure(bad: Any) -> None:
+        if batches is not None:
+            batches.record_failure(bad)
+
+    rollout, report = rollout_and_score_groups(rt, samples, spans, refill=batches.refill if batches else None,
+                                               on_failure=on_failure)
+    if batches is not None and rollout.groups:
+        batches.record_success()
+    metrics = report.metrics()
+    lengths = [len(t.response_ids) for g in rollout.groups for t in g]
+    keep = report.keep
     metrics["rollout/response_length"] = float(np.mean(lengths)) if lengths else 0.0
-    return prompts, groups, metrics
+    return ([p for p, k in zip(rollout.prompts, keep) if k], [g for g, k in zip(rollout.groups, keep) if k],
+            rollout.samples, metrics)
 
 
-def run_step(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], advantage_fn: Any, agent_loop: Any,
-             spans: StepSpans, step: int = 0, more_pairs: Any = None) -> dict[str, float]:
-    """One synchronous RL step on a batch of prompts: rollout, rewards, (dynamic sampling),
-    advantages, update, weight sync. `more_pairs()` gives another batch when dynamic sampling
-    needs more informative groups."""
+def run_step(rt: Runtime, samples: list[Sample], advantage_fn: Any, spans: StepSpans, step: int = 0,
+             batches: SampleBatches | None = None) -> tuple[dict[str, float], list[Sample]]:
+    """One synchronous RL step on a batch of samples: rollout, rewards, (dynamic sampling),
+    advantages, update, weight sync. `batches` refills refused samples and gives more batches when
+    dynamic sampling needs more informative groups. Returns the metrics and the samples rolled out."""
     cfg = rt.cfg
     if cfg.rollout.seed_per_step:
         # Rollouts become a function of (seed, step, weights): a resumed run samples exactly what
@@ -206,23 +221,25 @@ def run_step(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], advantage
         rt.sampling.seed = step_seed(cfg.run.seed, step)
     dyn = cfg.algorithm.dynamic_sampling
     if not dyn.enabled:
-        prompts, groups, metrics = rollout_and_score(rt, pairs, agent_loop, spans)
+        prompts, groups, used, metrics = rollout_and_score(rt, samples, spans, batches)
     else:
-        prompts, groups, metrics = _dynamic_sampling(rt, pairs, agent_loop, spans, more_pairs)
+        prompts, groups, used, metrics = _dynamic_sampling(rt, samples, spans, batches)
     if not groups:
         metrics["train/skipped_steps"] = 1.0  # every group dropped: nothing to learn from
-        return metrics
+        return metrics, used
     metrics.update(update_policy(rt.trainers, cfg, prompts, groups, advantage_fn, spans, step))
     with spans("weight_sync"):
         rt.weight_version += 1
         sync = ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, cfg.weight_sync.bucket_mb)
                         for t in rt.trainers])[0]
     metrics.update({"weight_sync/mb": sync["mb"], "weight_version": float(rt.weight_version)})
-    return metrics
+    if rt.monitor is not None:
+        metrics.update(rt.monitor.metrics())
+    return metrics, used
 
 
-def _dynamic_sampling(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], agent_loop: Any, spans: StepSpans,
-                      more_pairs: Any) -> tuple[list[ProcessedPrompt], list[list[Trajectory]], dict[str, float]]:
+def _dynamic_sampling(rt: Runtime, samples: list[Sample], spans: StepSpans, batches: SampleBatches | None,
+                      ) -> tuple[list[ProcessedPrompt], list[list[Trajectory]], list[Sample], dict[str, float]]:
     """DAPO: keep only groups whose rewards differ; roll out further batches until
     rollout.prompts_per_step groups are kept or dynamic_sampling.max_rounds is reached."""
     from mmrl.algorithms.dynamic_sampling import informative_groups
@@ -230,22 +247,24 @@ def _dynamic_sampling(rt: Runtime, pairs: list[tuple[Sample, ProcessedPrompt]], 
     target = rt.cfg.rollout.prompts_per_step
     kept_prompts: list[ProcessedPrompt] = []
     kept_groups: list[list[Trajectory]] = []
+    used: list[Sample] = []
     first_metrics: dict[str, float] = {}
     rounds, seen = 0, 0
     while True:
         rounds += 1
-        prompts, groups, metrics = rollout_and_score(rt, pairs, agent_loop, spans)
+        prompts, groups, rolled, metrics = rollout_and_score(rt, samples, spans, batches)
+        used += rolled
         first_metrics = first_metrics or metrics
         seen += len(groups)
         if groups:
             keep_B = informative_groups(torch.tensor([[t.reward for t in g] for g in groups]))
             kept_prompts += [p for p, k in zip(prompts, keep_B.tolist()) if k]
             kept_groups += [g for g, k in zip(groups, keep_B.tolist()) if k]
-        if len(kept_groups) >= target or rounds >= rt.cfg.algorithm.dynamic_sampling.max_rounds or more_pairs is None:
+        if len(kept_groups) >= target or rounds >= rt.cfg.algorithm.dynamic_sampling.max_rounds or batches is None:
             break
-        pairs = more_pairs()
+        samples = batches()
         if rt.sampling.seed is not None:  # a fresh seed per round, still a function of the step
             rt.sampling.seed = step_seed(rt.sampling.seed, rounds)
     first_metrics.update({"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(len(kept_groups)),
                           "dynamic_sampling/kept_fraction": len(kept_groups) / max(seen, 1)})
-    return kept_prompts[:target], kept_groups[:target], first_metrics
+    return kept_prompts[:target], kept_groups[:target], used, first_metrics

@@ -16,11 +16,13 @@ import torch
 
 from mmrl import registry
 from mmrl.config.schema import Config
+from mmrl.controller.async_rollout import AsyncRollout, run_async_step
 from mmrl.controller.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, truncate_metrics
 from mmrl.controller.guard import StabilityGuard
 from mmrl.controller.loop import Runtime, evaluate, run_step, start_runtime
 from mmrl.controller.metrics import MetricsLogger
-from mmrl.controller.prompts import Pair, PromptBatches, process_samples
+from mmrl.controller.prompts import SampleBatches
+from mmrl.data.sample import Sample
 from mmrl.utils.schedule import scheduled, warmup_factor
 from mmrl.utils.timing import StepSpans
 from mmrl.utils.trace import TraceWriter
@@ -46,15 +48,37 @@ def _open_stream(cfg: Config, rt: Runtime, resume: dict[str, Any] | None) -> Any
                        resume=resume)
 
 
-def _heldout(cfg: Config, rt: Runtime, rejected: set[str]) -> list[Pair]:
+def _heldout(cfg: Config, rt: Runtime) -> list[Sample]:
     from mmrl.data.stream import DecodeOptions, load_all
 
     if not cfg.data.heldout_shards:
         return []
     decode = DecodeOptions.from_config(cfg.data.decode, getattr(rt.processor, "media_limits", None))
     samples = load_all(cfg.data.heldout_shards, decode=decode)
-    return process_samples(rt.processor, samples[:cfg.eval.num_prompts] if cfg.eval.num_prompts else samples,
-                           rejected)[0]
+    return samples[:cfg.eval.num_prompts] if cfg.eval.num_prompts else samples
+
+
+def _data_state(cfg: Config, data: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A checkpoint's data state -> (stream cursor, async window state). A sync checkpoint's
+    cursor has nothing in flight, so an async run may start from it; the reverse would lose the
+    samples that were in flight."""
+    if data is None or data.get("mode") != "async":
+        return data, None
+    if cfg.rollout.mode.value != "async":
+        raise ValueError("this run's checkpoint was written with rollout.mode=async (samples were in flight); "
+                         "resume it with rollout.mode=async, or start a new run directory")
+    return data["cursor"], data
+
+
+def _window(cfg: Config, rt: Runtime, batches: SampleBatches, resume: dict[str, Any] | None) -> AsyncRollout | None:
+    if cfg.rollout.mode.value != "async":
+        return None
+    from mmrl.controller.loop import step_seed
+
+    capacity = cfg.rollout.max_buffered_groups or cfg.rollout.prompts_per_step * (cfg.rollout.max_staleness + 1)
+    return AsyncRollout(rt, batches, capacity=capacity, max_staleness=cfg.rollout.max_staleness,
+                        informative_only=cfg.algorithm.dynamic_sampling.enabled, resume=resume,
+                        seed=step_seed(cfg.run.seed, 0x5EED))
 
 
 def _trace_step(trace: TraceWriter, step: int, spans: StepSpans) -> None:
@@ -85,7 +109,6 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
     torch.manual_seed(cfg.run.seed)
     rt = start_runtime(cfg)
     advantage_fn = registry.resolve("advantage", cfg.algorithm.advantage)
-    agent_loop = registry.resolve("agent_loop", cfg.rollout.agent_loop)
     guard = StabilityGuard(cfg.stability)
     summary: dict[str, Any] = {"run_dir": str(rt.run_dir), "heldout_curve": [], "rollbacks": []}
     lr_scale, start_step, resume_cursor, wall_offset = 1.0, 1, None, 0.0
@@ -102,9 +125,12 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
             truncate_metrics(rt.run_dir, state["step"], name="batches.jsonl")
             _sync_engines(rt, new_version=False)
             print(f"[mmrl] resumed from {ckpt} (step {state['step']}; {dropped} later metric lines dropped)")
+        resume_cursor, resume_window = _data_state(cfg, resume_cursor)
         stream = _open_stream(cfg, rt, resume_cursor)
-        batches = PromptBatches(stream, rt.processor, cfg.rollout.prompts_per_step)
-        heldout = _heldout(cfg, rt, batches.rejected)
+        batches = SampleBatches(stream, cfg.rollout.prompts_per_step, processor_name=type(rt.processor).__name__,
+                                model_path=cfg.model.path)
+        window = _window(cfg, rt, batches, resume_window)
+        heldout = _heldout(cfg, rt)
         logger = MetricsLogger(rt.run_dir, total_steps=cfg.run.max_steps, tensorboard=cfg.logging.tensorboard,
                                progress_bar=cfg.logging.progress_bar, console_every=cfg.logging.console_every,
                                start_step=start_step - 1)
@@ -128,9 +154,12 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                 lr_set = lr
             if hooks.before_step:
                 hooks.before_step(rt, step)
-            with spans("data_wait"):
-                pairs = batches()
-            metrics = run_step(rt, pairs, advantage_fn, agent_loop, spans, step=step, more_pairs=batches)
+            if window is None:
+                with spans("data_wait"):
+                    samples = batches()
+                metrics, used = run_step(rt, samples, advantage_fn, spans, step=step, batches=batches)
+            else:
+                metrics, used = run_async_step(rt, window, advantage_fn, spans, step)
             wall = time.time() - t_start
             if heldout and cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.run.max_steps):
                 with spans("eval"):
@@ -145,7 +174,11 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
             })
             if verdict.collapse:
                 with spans("rollback"):
-                    lr_scale = _rollback(rt, cfg, guard, verdict, step, batches, summary)
+                    if window is not None:
+                        window.close()
+                    lr_scale, data = _rollback(rt, cfg, guard, verdict, step, batches, summary)
+                    if window is not None:
+                        window = _window(cfg, rt, batches, _data_state(cfg, data)[1])
                 lr_set = None
                 last_good = latest_checkpoint(rt.run_dir)
                 metrics["guard/rollbacks"] = float(guard.rollbacks)
@@ -154,7 +187,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                 hooks.after_step(rt, step, metrics)
             logger.log(step, metrics)
             with open(rt.run_dir / "batches.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "keys": [s.key for s, _ in pairs]}) + "\n")
+                f.write(json.dumps({"step": step, "keys": [s.key for s in used]}) + "\n")
             _trace_step(trace, step, spans)
             if step % 10 == 0:
                 trace.flush()
@@ -162,7 +195,8 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
             spans, t_step = StepSpans(), time.time()
             if not verdict.collapse and cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                 with spans("checkpoint"):
-                    state = {"step": step, "weight_version": rt.weight_version, "data": stream.state_dict(),
+                    data = window.state_dict() if window is not None else stream.state_dict()
+                    state = {"step": step, "weight_version": rt.weight_version, "data": data,
                              "lr_scale": lr_scale, "wall_s": wall, "guard": guard.state_dict(),
                              "lora_scaling": (cfg.trainer.lora.alpha / cfg.trainer.lora.rank
                                               if cfg.trainer.lora.enabled else None),
@@ -204,10 +238,10 @@ class CollapseError(RuntimeError):
     pass
 
 
-def _rollback(rt: Runtime, cfg: Config, guard: StabilityGuard, verdict: Any, step: int, batches: PromptBatches,
-              summary: dict[str, Any]) -> float:
+def _rollback(rt: Runtime, cfg: Config, guard: StabilityGuard, verdict: Any, step: int, batches: SampleBatches,
+              summary: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """Restore the newest checkpoint saved before the alarm began and apply the remedy; returns
-    the new learning-rate scale. Step numbers keep counting forward (metrics stay monotonic);
+    the new learning-rate scale and the data state the batches were rewound to (None: kept). Step numbers keep counting forward (metrics stay monotonic);
     `guard/rollbacks` and RUN_DIR/guard.jsonl record what happened."""
     reasons = "; ".join(verdict.reasons)
     target = latest_checkpoint(rt.run_dir, before_step=verdict.first_alarm_step)
@@ -219,12 +253,14 @@ def _rollback(rt: Runtime, cfg: Config, guard: StabilityGuard, verdict: Any, ste
     lr_scale = state["lr_scale"] * cfg.stability.lr_scale
     ray.get([t.set_lr.remote(scheduled_lr(cfg, step, lr_scale)) for t in rt.trainers])
     _sync_engines(rt, new_version=True)
+    data = None
     if not cfg.stability.skip_batches:
-        batches.rewind(state["data"])
+        data = state["data"]
+        batches.rewind(_data_state(cfg, data)[0])
     guard.after_rollback()
     event = {"at_step": step, "to_step": state["step"], "reasons": verdict.reasons, "lr_scale": lr_scale}
     summary["rollbacks"].append(event)
     with open(rt.run_dir / "guard.jsonl", "a") as f:
         f.write(json.dumps(event) + "\n")
     print(f"[mmrl] collapse at step {step}: {reasons}. Rolled back to {target.name}, learning rate x{lr_scale:g}")
-    return lr_scale
+    return lr_scale, data

@@ -65,3 +65,16 @@ def build_processor(name: str, model_path: str, **kwargs: Any) -> Any:
         name = FAMILIES[model_type]
     cls = registry.resolve("processor", name)
     return cls(model_path, **kwargs)
+
+
+def process_sample(processor: Any, sample: Any) -> Any:
+    """The processed prompt, or the failure as a `BadSample` (`prompt_rejected` / `processor_error`):
+    any per-sample failure costs that sample only (see controller/prompts.py)."""
+    from mmrl.data.quarantine import BadSample
+
+    try:
+        return processor(sample)
+    except Exception as e:  # noqa: BLE001 -- any per-sample failure costs that sample only
+        if isinstance(e, PromptRejected):
+            return BadSample("prompt_rejected", sample.key, sample.source, str(e))
+        return BadSample("processor_error", sample.key, sample.source, f"{type(e).__name__}: {e}")

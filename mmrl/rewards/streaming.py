@@ -1,12 +1,12 @@
 """Score groups while the rest of the rollout is still running.
 
-An agent loop reports each group as soon as it is final (`RolloutContext.on_groups`); the stream
-submits it to the reward workers at once, so reward work overlaps the generation of the other
-groups. After the rollout, `finish` scores whatever was not reported, waits for everything,
-fills the trajectories and returns the report, with the overlap measured:
+The controller submits each group as soon as the rollout workers return it
+(controller/rollout.py), so reward work overlaps the generation of the other groups. After the
+rollout, `finish` scores whatever was not submitted, waits for everything, fills the
+trajectories and returns the report, with the overlap measured:
 
     stream = RewardStream(pool, samples, decode=processor.decode)
-    groups = agent_loop(RolloutContext(..., on_groups=stream.submit), prompts)
+    ... stream.submit([slot], [group]) as groups finish ...
     report = stream.finish(groups)           # report.metrics() includes the overlap timings
 
 Timings are wall-clock (`time.time()`) stamps taken in the reward workers and the driver: fine
@@ -55,6 +55,12 @@ class RewardStream:
     def _texts(self, group: Sequence[Any]) -> list[str]:
         return [self.decode(t.response_ids) if self.decode else t.text for t in group]
 
+    def replace_sample(self, index: int, sample: Sample) -> None:
+        """The sample of slot `index` was refused and replaced before its group was submitted."""
+        if index in self._handles and self.samples[index] is not sample:
+            raise RuntimeError(f"the group of prompt {index} was already submitted; its sample cannot change")
+        self.samples[index] = sample
+
     def submit(self, indices: Sequence[int], groups: Sequence[Sequence[Any]]) -> None:
         """Queue the final groups of prompts `indices` (positions in the step's batch)."""
         if len(indices) != len(groups):
@@ -63,8 +69,8 @@ class RewardStream:
             if not 0 <= i < len(self.samples):
                 raise IndexError(f"prompt index {i} is outside the batch of {len(self.samples)}")
             if i in self._handles:
-                raise RuntimeError(f"the agent loop reported the group of prompt {i} twice; report each "
-                                   f"group once, when it is final")
+                raise RuntimeError(f"the group of prompt {i} was submitted twice; submit each group once, "
+                                   f"when it is final")
             ids = [list(t.response_ids) for t in group]
             self._reported[i] = ids
             self._handles[i] = self.pool.submit(self.samples[i], self._texts(group), ids)
@@ -73,8 +79,8 @@ class RewardStream:
     def finish(self, groups: Sequence[Sequence[Any]], *, on_error: str | None = None) -> RewardReport:
         """Score the groups not reported yet, wait for all, fill the trajectories, return the report.
 
-        `groups` is what the agent loop returned; a reported group must be unchanged (same
-        responses), since it was scored as reported.
+        `groups` holds every slot's final group; a submitted group must be unchanged (same
+        responses), since it was scored as submitted.
         """
         rollout_ended = time.time()
         t0 = time.perf_counter()
@@ -82,8 +88,8 @@ class RewardStream:
             raise ValueError(f"{len(self.samples)} samples but {len(groups)} groups")
         for i, ids in self._reported.items():
             if [list(t.response_ids) for t in groups[i]] != ids:
-                raise RuntimeError(f"the agent loop changed the group of prompt {i} after reporting it "
-                                   f"(on_groups must get final groups only)")
+                raise RuntimeError(f"the group of prompt {i} changed after it was submitted for scoring "
+                                   f"(submit final groups only)")
         late = [i for i in range(len(groups)) if i not in self._handles]
         for i in late:
             self._handles[i] = self.pool.submit(self.samples[i], self._texts(groups[i]),

@@ -1,83 +1,77 @@
-"""Agent-loop plugins: how prompts become trajectories.
+"""Agent-loop plugins: how one sample becomes one trajectory.
 
 The contract of an agent loop (kind "agent_loop"; tests/test_plugin_contracts.py checks it):
 
     @register("agent_loop", "my_loop")
-    def my_loop(ctx: RolloutContext, prompts: Sequence[ProcessedPrompt]) -> list[list[Trajectory]]
+    async def my_loop(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt) -> Trajectory
 
-  * It returns one group (list of trajectories) per prompt, in prompt order, with
-    `Trajectory.prompt_index` = the prompt's position in `prompts`.
-  * `ctx` carries the engine handles (Ray actors of RolloutEngine), the sampling settings, the
-    current weight version and `chunks_per_engine` (how finely to split the work per engine).
-  * As soon as a group is final, the loop should report it: `ctx.report(indices, groups)`.
-    The controller submits reported groups to the reward workers at once, so scoring overlaps
-    the rest of the rollout. Report each group at most once, and only in its final form (the
-    groups returned must hold the same responses). A group that is never reported is scored
-    after the loop returns, so a loop that never reports is correct, only slower.
+  * It is called once per trajectory: a group of `rollout.group_size` trajectories of a sample is
+    `group_size` concurrent calls (`ctx.group_index` tells them apart). Loops run in rollout-worker
+    actors (asyncio), many at once; the engines batch their requests continuously.
+  * `prompt` is the processed sample (the processor ran in the rollout worker). `prompt.vllm_input`
+    is what the engine takes; a multi-turn loop builds later prompts from it (or with
+    `ctx.processor`) and calls `await ctx.client.generate(prompt_dict, sampling)` as often as it
+    likes, with `ctx.sampling` (this trajectory's seed and token budget) or a `replace`d copy.
+  * It returns a `Trajectory` whose `response_ids` are every token after the prompt; `loss_mask`
+    is 1 on the tokens the policy sampled (0 on tool outputs and templates), and
+    `behaviour_logprobs` / `token_versions` line up with `response_ids` (0 / -1 where the mask
+    is 0). `make_trajectory` fills the rest (prompt index, oldest weight version, timings).
+  * `ctx.args` is `rollout.agent_loop_args` from the config.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-import ray
-
+from mmrl.data.sample import Sample
 from mmrl.processors.base import ProcessedPrompt
 from mmrl.registry import register
-from mmrl.rollout.types import Completion, SamplingConfig, Trajectory
-from mmrl.utils import split_even
-
-# on_groups(prompt indices, their final groups)
-GroupsCallback = Callable[[list[int], list[list[Trajectory]]], None]
+from mmrl.rollout.client import RolloutClient
+from mmrl.rollout.types import Completion, RequestSampling, Trajectory
 
 
 @dataclass
-class RolloutContext:
-    engines: Sequence[Any]  # Ray actor handles of RolloutEngine
-    sampling: SamplingConfig
-    weight_version: int
-    # Called with finished groups while the rollout goes on (reward scoring); None: nobody listens.
-    on_groups: GroupsCallback | None = None
-    # Generate calls per engine per rollout: more, smaller calls let scoring start earlier.
-    chunks_per_engine: int = 1
+class AgentContext:
+    """What an agent loop gets besides its sample (see the module docstring)."""
 
-    def report(self, indices: Sequence[int], groups: Sequence[list[Trajectory]]) -> None:
-        """Hand final groups to whoever listens (see the module docstring)."""
-        if self.on_groups is not None and len(indices):
-            self.on_groups(list(indices), list(groups))
+    client: RolloutClient
+    sampling: RequestSampling
+    processor: Any
+    group_index: int = 0
+    args: dict[str, Any] = field(default_factory=dict)
 
 
-def _trajectories(index: int, completions: list[Completion], ctx: RolloutContext,
-                  seconds: float, engine: int = 0) -> list[Trajectory]:
-    return [Trajectory(prompt_index=index, response_ids=c.token_ids, behaviour_logprobs=c.logprobs,
-                       loss_mask=[1] * len(c.token_ids), text=c.text, finish_reason=c.finish_reason,
-                       weight_version=ctx.weight_version, timings={"generate_s": seconds, "engine": engine})
-            for c in completions]
+def make_trajectory(completions: list[Completion], between: list[tuple[list[int], str]] | None = None,
+                    finish_reason: str | None = None) -> Trajectory:
+    """A trajectory from the model's turns and, between turn k and k+1, `between[k]` = (token
+    ids, text) that the loop inserted (tool output, template); those get loss mask 0."""
+    ids: list[int] = []
+    logprobs: list[float] = []
+    mask: list[int] = []
+    versions: list[int] = []
+    text = ""
+    between = between or []
+    for k, c in enumerate(completions):
+        ids += c.token_ids
+        logprobs += c.logprobs
+        mask += [1] * len(c.token_ids)
+        versions += c.token_versions or [-1] * len(c.token_ids)
+        text += c.text
+        if k < len(between):
+            extra_ids, extra_text = between[k]
+            ids += extra_ids
+            logprobs += [0.0] * len(extra_ids)
+            mask += [0] * len(extra_ids)
+            versions += [-1] * len(extra_ids)
+            text += extra_text
+    sampled = [v for v, m in zip(versions, mask) if m and v >= 0]
+    return Trajectory(prompt_index=-1, response_ids=ids, behaviour_logprobs=logprobs, loss_mask=mask, text=text,
+                      finish_reason=finish_reason or (completions[-1].finish_reason if completions else None),
+                      weight_version=min(sampled) if sampled else -1, token_versions=versions)
 
 
 @register("agent_loop", "single_turn")
-def single_turn(ctx: RolloutContext, prompts: Sequence[ProcessedPrompt]) -> list[list[Trajectory]]:
-    """One generation per prompt: `sampling.n` responses each. The prompts are cut into
-    `chunks_per_engine` generate calls per engine, all queued at once (an engine actor runs its
-    calls back to back, so it never waits for the driver); each chunk's groups are reported
-    as soon as it returns."""
-    t0 = time.time()
-    n_engines = len(ctx.engines)
-    chunks = [c for c in split_even(list(range(len(prompts))), n_engines * max(1, ctx.chunks_per_engine)) if c]
-    # Chunk k goes to engine k % n_engines: every engine starts on its first chunk at once.
-    pending = {ctx.engines[k % n_engines].generate.remote([prompts[i].vllm_input for i in chunk],
-                                                          ctx.sampling.for_requests_from(chunk[0])): (k % n_engines, chunk)
-               for k, chunk in enumerate(chunks)}
-    groups: list[list[Trajectory] | None] = [None] * len(prompts)
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        for future in ready:
-            engine, chunk = pending.pop(future)
-            seconds = time.time() - t0
-            done = [_trajectories(i, completions, ctx, seconds, engine)
-                    for i, completions in zip(chunk, ray.get(future))]
-            for i, group in zip(chunk, done):
-                groups[i] = group
-            ctx.report(chunk, done)
-    return [g for g in groups if g is not None]
+async def single_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt) -> Trajectory:
+    """One generation: the response to the sample's prompt."""
+    completion = await ctx.client.generate(prompt.vllm_input, ctx.sampling)
+    return make_trajectory([completion])

@@ -1,18 +1,30 @@
-"""A vLLM engine inside a Ray actor: generates with behaviour logprobs, takes weight pushes."""
+"""A rollout engine: vLLM's `AsyncLLM` serving single-trajectory requests inside a Ray actor.
+
+The actor is an asyncio actor: every `generate` call is one request that vLLM batches
+continuously with whatever else is in flight, so many agent loops can share one engine without
+waiting for each other. Each generated token carries the weight version that sampled it (vLLM
+stamps the engine core's outputs; `set_weight_version` is called while generation is paused).
+
+A weight update (`apply_weights`) does not wait for the queue to drain unless told to:
+  pause (in-flight requests frozen: `partial="keep"`, aborted: `partial="abort"`, or finished
+  first: `partial="wait"`) -> load the staged buckets -> reset caches -> new version -> resume.
+With `recompute_kv=True` (the default) pausing also drops the KV cache, so a frozen request
+recomputes its prefix under the new weights and its later tokens are exactly the new policy's;
+`recompute_kv=False` keeps the old KV (faster, a measured mismatch the correction covers).
+"""
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import time
+import uuid
 from typing import Any
 
 import ray
 
-from mmrl.rollout.types import Completion, SamplingConfig
+from mmrl.rollout.types import Completion, RequestSampling
 from mmrl.rollout.vllm_logs import configure_engine_logging
-
-# Seed spacing between the requests of one call: more than any group size, so no two samples share a seed.
-SEED_STRIDE = 4096
 
 # A clean engine stop takes 5-8 s on a 2-core machine (the worker exits, then the engine core tears
 # down); vLLM's default 5 s for each made it force-kill the engine core at the end of nearly every
@@ -29,7 +41,11 @@ DEFAULT_ENGINE_ARGS: dict[str, Any] = {
     "logprobs_mode": "processed_logprobs",
     "max_model_len": 2048,
     "use_tqdm_on_load": False,  # a progress bar for loading a checkpoint, per engine start
+    # vLLM's periodic throughput lines; the engine reports its own numbers (EngineStats) instead
+    "disable_log_stats": True,
 }
+
+PARTIAL_MODES = ("keep", "abort", "wait")
 
 
 def engine_kwargs(model_path: str, dtype: str, seed: int, engine_args: dict[str, Any],
@@ -42,87 +58,217 @@ def engine_kwargs(model_path: str, dtype: str, seed: int, engine_args: dict[str,
     return kwargs
 
 
-class RolloutEngine:
-    """Wraps `vllm.LLM`. Used as a Ray actor (`RolloutEngine.as_actor(...)`) in training, and
-    directly in tests that want an in-process engine."""
+def _stats_logger_factory(sink: dict[str, float]) -> Any:
+    """A vLLM stat logger that keeps the scheduler's latest numbers (KV-cache use, queue) in `sink`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
 
-    def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str]):
+    class _Sink(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                usage = float(scheduler_stats.kv_cache_usage)
+                sink["kv_cache_usage"] = usage
+                sink["kv_cache_usage_peak"] = max(sink.get("kv_cache_usage_peak", 0.0), usage)
+                sink["waiting_peak"] = max(sink.get("waiting_peak", 0.0), float(scheduler_stats.num_waiting_reqs))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _Sink
+
+
+class RolloutEngine:
+    """Wraps `vllm.v1.engine.async_llm.AsyncLLM`; used as a Ray actor (`RolloutEngine.as_actor`)."""
+
+    def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], partial: str = "keep",
+                 recompute_kv: bool = True):
+        if partial not in PARTIAL_MODES:
+            raise ValueError(f"rollout.partial must be one of {PARTIAL_MODES}, got {partial!r}")
         os.environ.update(env)
         os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_SHUTDOWN_GRACE_S))
         # before vLLM is imported: its known-harmless warnings stay off the console
         configure_engine_logging(os.environ.get("VLLM_CACHE_ROOT") or tempfile.mkdtemp(prefix="mmrl-vllm-"))
-        from vllm import LLM
-
-        t0 = time.time()
-        self.llm = LLM(**llm_kwargs)
-        self.start_seconds = time.time() - t0
+        self.llm_kwargs, self.partial, self.recompute_kv = llm_kwargs, partial, recompute_kv
+        self.llm: Any = None
         self.weight_version = 0
+        self.start_seconds = 0.0
+        self._scheduler: dict[str, float] = {}
+        self._in_flight: set[str] = set()
+        self._generated_tokens = 0
+        self._busy_since: float | None = None
+        self._busy_s = 0.0
+        self._t_created = time.time()
+        self._pauses, self._pause_s = 0, 0.0
+        self._max_in_flight = 0
+        self._progress: dict[str, int] = {}
 
     @classmethod
-    def as_actor(cls, options: dict[str, Any], llm_kwargs: dict[str, Any], env: dict[str, str]) -> Any:
-        return ray.remote(cls).options(**options).remote(llm_kwargs, env)
+    def as_actor(cls, options: dict[str, Any], llm_kwargs: dict[str, Any], env: dict[str, str],
+                 **kwargs: Any) -> Any:
+        # max_concurrency: how many generate calls the actor's event loop holds at once (vLLM
+        # queues what does not fit into a batch); Ray's default for async actors is 1000.
+        return ray.remote(cls).options(**{"max_concurrency": 4096, **options}).remote(llm_kwargs, env, **kwargs)
 
-    def ready(self) -> dict[str, Any]:
+    async def ready(self) -> dict[str, Any]:
+        """Start the engine (on the actor's event loop, which AsyncLLM's output task needs)."""
+        if self.llm is None:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            t0 = time.time()
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.llm_kwargs),
+                                                 stat_loggers=[_stats_logger_factory(self._scheduler)])
+            await self.llm.update_weight_version(str(self.weight_version))
+            self.start_seconds = time.time() - t0
         return {"start_seconds": self.start_seconds, "pid": os.getpid()}
 
-    def generate(self, requests: list[dict[str, Any]], sampling: SamplingConfig) -> list[list[Completion]]:
-        """One list of `sampling.n` completions per request, in request order."""
+    async def generate(self, prompt: dict[str, Any], sampling: RequestSampling) -> Completion:
+        """One response to `prompt` (a vLLM prompt dict: token ids plus multimodal data).
+        A request aborted by a weight update with `partial="abort"` returns what it had, with
+        `finish_reason="abort"`; the rollout client resubmits it with that prefix."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        base = dict(
-            n=sampling.n,
-            max_tokens=sampling.max_new_tokens,
+        params = SamplingParams(
+            n=1, max_tokens=sampling.max_tokens,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
             logprobs=0,  # the sampled token's logprob
             # clamped to -100 by vLLM: probability ~e^-100; the trainer applies the same bias
             logit_bias={t: -100.0 for t in sampling.forbidden_token_ids} or None,
-        )
-        if sampling.seed is None:
-            params: Any = SamplingParams(**base)
-        else:
-            # One seed per request (vLLM gives its n samples seed, seed+1, ...): each request's draws
-            # then depend on nothing else in the batch, so how the engine happens to batch the
-            # requests (timing-dependent) cannot change them. On CPU this needs chunked prefill
-            # off (start_runtime sets it): vLLM rewinds a generator after a partial prefill and
-            # CPU generators cannot rewind ("CPU Generator does not use offset").
-            params = [SamplingParams(**base, seed=sampling.seed + i * SEED_STRIDE) for i in range(len(requests))]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        result = []
-        for out in outputs:
-            group = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs or [])]
-                group.append(Completion(token_ids=ids, logprobs=lps, text=c.text, finish_reason=c.finish_reason))
-            result.append(group)
-        return result
+            # One seed per trajectory: its draws depend on nothing else the engine runs, so how
+            # requests happen to be batched (timing-dependent) cannot change them. On CPU this
+            # needs chunked prefill off (start_runtime sets it): vLLM rewinds a generator after
+            # a partial prefill and CPU generators cannot rewind.
+            seed=sampling.seed, stop=list(sampling.stop) or None, ignore_eos=sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA)
+        request_id = f"{sampling.request_key or 'r'}-{uuid.uuid4().hex[:12]}"
+        self._enter(request_id)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        text, finish, spans = "", None, None
+        try:
+            # vLLM's own rendering of a token-id prompt with its images/videos (the multimodal
+            # processor runs here, in the engine actor)
+            (engine_input,) = await self.llm.renderer.render_cmpl_async([prompt])
+            # streamed as deltas: progress() can tell how far each request is
+            async for out in self.llm.generate(engine_input, params, request_id=request_id):
+                c = out.outputs[0]
+                new = list(c.token_ids)
+                logprobs += [float(step[tok].logprob) for tok, step in zip(new, c.logprobs or [])]
+                ids += new
+                text += c.text
+                self._progress[request_id] = len(ids)
+                finish, spans = c.finish_reason, c.weight_versions or spans
+        finally:
+            self._leave(request_id)
+        self._generated_tokens += len(ids)
+        return Completion(token_ids=ids, logprobs=logprobs, text=text, finish_reason=finish,
+                          token_versions=self._token_versions(spans, len(ids)))
+
+    def _token_versions(self, spans: Any, n: int) -> list[int]:
+        if not spans:
+            return [self.weight_version] * n
+        versions: list[int] = []
+        for span in spans:
+            versions += [int(span.version)] * (span.end - span.start)
+        return versions[:n] + [self.weight_version] * (n - len(versions))
+
+    def _enter(self, request_id: str) -> None:
+        if not self._in_flight:
+            self._busy_since = time.time()
+        self._in_flight.add(request_id)
+        self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
+
+    def _leave(self, request_id: str) -> None:
+        self._in_flight.discard(request_id)
+        self._progress.pop(request_id, None)
+        if not self._in_flight and self._busy_since is not None:
+            self._busy_s += time.time() - self._busy_since
+            self._busy_since = None
+
+    async def abort(self, request_key: str) -> int:
+        """Abort every in-flight request of one trajectory (its `request_key`)."""
+        ids = [r for r in self._in_flight if r.startswith(f"{request_key}-")]
+        if ids:
+            await self.llm.abort(ids)
+        return len(ids)
+
+    def stats(self, reset_peaks: bool = False) -> dict[str, float]:
+        """Totals so far (generated tokens, busy seconds: any request in flight, pauses) and peaks
+        since the last reset (requests in flight, vLLM's waiting queue and KV-cache use)."""
+        busy = self._busy_s + (time.time() - self._busy_since if self._busy_since is not None else 0.0)
+        out = {"in_flight": float(len(self._in_flight)), "max_in_flight": float(self._max_in_flight),
+               "generated_tokens": float(self._generated_tokens), "busy_s": busy,
+               "alive_s": time.time() - self._t_created, "pauses": float(self._pauses), "pause_s": self._pause_s,
+               **self._scheduler}
+        if reset_peaks:
+            self._max_in_flight = len(self._in_flight)
+            self._scheduler.pop("kv_cache_usage_peak", None)
+            self._scheduler.pop("waiting_peak", None)
+        return out
+
+    def progress(self) -> dict[str, int]:
+        """Tokens received so far by each request in flight (request id -> count)."""
+        return dict(self._progress)
+
+    def configure(self, partial: str | None = None, recompute_kv: bool | None = None) -> None:
+        """Change what the next weight updates do to requests in flight (see the module docstring)."""
+        if partial is not None:
+            if partial not in PARTIAL_MODES:
+                raise ValueError(f"rollout.partial must be one of {PARTIAL_MODES}, got {partial!r}")
+            self.partial = partial
+        if recompute_kv is not None:
+            self.recompute_kv = recompute_kv
 
     # ---- weight sync (called by trainer rank 0) -------------------------------------------------
-    def stage_weights(self, payload: bytes) -> int:
-        return sum(self.llm.collective_rpc("mmrl_stage_bucket", args=(payload,)))
+    async def stage_weights(self, payload: bytes) -> int:
+        return sum(await self.llm.collective_rpc("mmrl_stage_bucket", args=(payload,)))
 
-    def apply_weights(self, version: int) -> dict[str, float]:
+    async def apply_weights(self, version: int) -> dict[str, float]:
+        """Pause, load the staged weights, reset caches, set `version`, resume (see the module
+        docstring). Returns the tensor count, the pause length and the requests it froze."""
         t0 = time.time()
-        n = self.llm.collective_rpc("mmrl_apply_staged")[0]
-        # Stale caches after an update: cached prefix KV blocks and vision-encoder outputs were
-        # computed with the old weights (and a scheduler/worker mismatch kills the engine with
-        # "Encoder cache miss"). Reset both, every time.
-        self.llm.llm_engine.reset_encoder_cache()
-        self.llm.reset_prefix_cache()
-        self.weight_version = version
-        return {"tensors": float(n), "apply_seconds": time.time() - t0}
+        frozen = len(self._in_flight)
+        await self.llm.pause_generation(mode=self.partial, clear_cache=self.recompute_kv)
+        try:
+            n = (await self.llm.collective_rpc("mmrl_apply_staged"))[0]
+            # Stale caches after an update: vision-encoder outputs (a scheduler/worker mismatch
+            # kills the engine with "Encoder cache miss") and cached prefix KV blocks. With the
+            # old KV kept, blocks that running requests hold cannot be dropped: they are the
+            # measured mismatch of recompute_kv=False.
+            await self.llm.reset_encoder_cache()
+            await self.llm.reset_mm_cache()
+            await self.llm.reset_prefix_cache()
+            self.weight_version = version
+            await self.llm.update_weight_version(str(version))
+        finally:
+            await self.llm.resume_generation()
+        seconds = time.time() - t0
+        self._pauses += 1
+        self._pause_s += seconds
+        return {"tensors": float(n), "apply_seconds": seconds, "frozen_requests": float(frozen)}
 
-    def weights_checksum(self) -> float:
-        return self.llm.collective_rpc("mmrl_weights_checksum")[0]
+    async def pause(self) -> None:
+        """Freeze generation (tests and controllers that want a stable point)."""
+        await self.llm.pause_generation(mode=self.partial, clear_cache=self.recompute_kv)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def weights_checksum(self) -> float:
+        return (await self.llm.collective_rpc("mmrl_weights_checksum"))[0]
 
     def get_weight_version(self) -> int:
         return self.weight_version
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         """Stop the engine core process cleanly: killing the actor outright leaves vLLM's
         shared-memory ring buffers (hundreds of MB in /dev/shm) behind."""
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
-            self.llm = None
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            await asyncio.get_running_loop().run_in_executor(None, lambda: llm.shutdown(timeout=SHUTDOWN_GRACE_S))
+

@@ -1,14 +1,19 @@
-"""What rollout produces."""
+"""What rollout produces, and the settings one request is sampled with."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+# Seed spacing between the trajectories of one step: more than any group size, so no two
+# trajectories share a seed (a trajectory's group member j draws with seed + j).
+SEED_STRIDE = 4096
 
 
 @dataclass
 class SamplingConfig:
-    """Sampling settings shared by the rollout engines and the trainer's logprob recompute: the
-    trainer must apply the same temperature and token bans to compare logprobs with vLLM."""
+    """Sampling settings of a rollout, shared by the rollout engines and the trainer's logprob
+    recompute: the trainer must apply the same temperature and token bans to compare logprobs
+    with vLLM. `seed` is the step's seed (None: the engine's own RNG)."""
 
     n: int = 1
     max_new_tokens: int = 16
@@ -17,18 +22,40 @@ class SamplingConfig:
     forbidden_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     greedy: bool = False
+    # Generate max_new_tokens every time (benchmarks with set lengths; tests that need a long generation).
+    ignore_eos: bool = False
 
-    def for_requests_from(self, first: int) -> "SamplingConfig":
-        """The settings for a generate call whose first request is the step's request `first`:
-        a seeded step gives every request of the step its own seed, however the requests are
-        split into calls and engines (RolloutEngine.generate adds the position in the call)."""
-        if self.seed is None or first == 0:
-            return self
-        from dataclasses import replace
+    def for_trajectory(self, slot: int, member: int, key: str = "") -> "RequestSampling":
+        """The settings of group member `member` of the step's prompt `slot`: seed + slot *
+        SEED_STRIDE + member, the same draws vLLM gives an n-sample request seeded seed + slot *
+        SEED_STRIDE, whichever engine or worker runs it and whatever runs beside it."""
+        seed = None if self.seed is None else self.seed + slot * SEED_STRIDE + member
+        return RequestSampling(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                               forbidden_token_ids=list(self.forbidden_token_ids), seed=seed, greedy=self.greedy,
+                               ignore_eos=self.ignore_eos, request_key=f"{key or slot}.{member}")
 
-        from mmrl.rollout.engine import SEED_STRIDE
 
-        return replace(self, seed=self.seed + first * SEED_STRIDE)
+@dataclass
+class RequestSampling:
+    """How one engine request is sampled (one response). An agent loop may change any field for
+    a later turn (e.g. `max_tokens`, `stop`) with `dataclasses.replace`."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    forbidden_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    greedy: bool = False
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    # Names the trajectory in engine request ids (abort, logs); the router sticks a key to one engine.
+    request_key: str = ""
+
+    def continued(self, done_tokens: int, attempt: int) -> "RequestSampling":
+        """The settings to resubmit a request aborted after `done_tokens` tokens: the rest of the
+        token budget, and a different seed (a replayed seed would redraw the first tokens' numbers)."""
+        seed = None if self.seed is None else self.seed + attempt * 7919 * SEED_STRIDE
+        return replace(self, max_tokens=self.max_tokens - done_tokens, seed=seed)
 
 
 @dataclass
@@ -39,11 +66,16 @@ class Completion:
     logprobs: list[float]  # behaviour logprobs of the sampled tokens
     text: str
     finish_reason: str | None
+    token_versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
 
 
 @dataclass
 class Trajectory:
-    """One response to one prompt, with what the trainer and the logs need."""
+    """One response to one prompt, with what the trainer and the logs need.
+
+    For a multi-turn trajectory `response_ids` holds every token after the prompt (model turns,
+    tool outputs, templates); `loss_mask` is 1 on the tokens the policy sampled, and
+    `behaviour_logprobs` / `token_versions` are only meaningful there (0 / -1 elsewhere)."""
 
     prompt_index: int  # index of the prompt in the step's batch (the group id)
     response_ids: list[int]
@@ -51,7 +83,8 @@ class Trajectory:
     loss_mask: list[int]  # 1 for tokens the policy generated and is trained on
     text: str
     finish_reason: str | None
-    weight_version: int
+    weight_version: int  # the OLDEST weight version among the sampled tokens (staleness is measured from it)
+    token_versions: list[int] = field(default_factory=list)
     reward: float = 0.0
     reward_components: dict[str, float] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)

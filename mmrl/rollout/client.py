@@ -1,0 +1,142 @@
+"""The rollout client: how agent loops reach the engines.
+
+`Router` spreads requests over the engine actors: a new trajectory goes to the engine with the
+least in-flight work (requested tokens not yet returned), and every later request of the same
+trajectory sticks to that engine, so a multi-turn prefix hits its prefix cache. At most
+`max_requests_per_engine` requests wait on one engine; a loop asking for more awaits its turn
+(back-pressure instead of an unbounded queue inside vLLM).
+
+An agent loop holds a `RolloutClient`: the router seen by one trajectory. A request that a weight
+update aborted (`rollout.partial=abort`) is resubmitted here with the tokens it already has as a
+prefix, so the loop sees one completion whose tokens carry the versions that sampled them.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from mmrl.rollout.types import Completion, RequestSampling, SamplingConfig
+
+
+@dataclass
+class EngineLoad:
+    """What the router knows about one engine (from its own requests)."""
+
+    in_flight_requests: int = 0
+    in_flight_tokens: int = 0  # token budget of the requests in flight
+    requests: int = 0
+    generated_tokens: int = 0
+    resubmitted: int = 0
+    # (start, end) wall times of this router's requests: busy intervals for the trace
+    windows: list[tuple[float, float]] = field(default_factory=list)
+
+
+class Router:
+    """Least-loaded, sticky routing of single requests over engine actors (see module docstring)."""
+
+    def __init__(self, engines: Sequence[Any], max_requests_per_engine: int = 256):
+        self.engines = list(engines)
+        self.load = [EngineLoad() for _ in self.engines]
+        self._sticky: dict[str, int] = {}
+        self._slots = [asyncio.Semaphore(max_requests_per_engine) for _ in self.engines]
+
+    def pick(self, key: str) -> int:
+        """The engine for trajectory `key`: its engine so far, else the least loaded."""
+        if not self.engines:
+            raise RuntimeError("this rollout has no engines to generate with (rollout.num_engines=0)")
+        if key not in self._sticky:
+            self._sticky[key] = min(range(len(self.engines)),
+                                    key=lambda i: (self.load[i].in_flight_tokens, self.load[i].in_flight_requests, i))
+        return self._sticky[key]
+
+    def release(self, key: str) -> None:
+        """The trajectory is over: forget its engine."""
+        self._sticky.pop(key, None)
+
+    def client(self, key: str) -> "RolloutClient":
+        return RolloutClient(self, key)
+
+    async def _request(self, engine: int, prompt: dict[str, Any], sampling: RequestSampling) -> Completion:
+        load = self.load[engine]
+        async with self._slots[engine]:
+            load.in_flight_requests += 1
+            load.in_flight_tokens += sampling.max_tokens
+            t0 = time.time()
+            try:
+                completion: Completion = await self.engines[engine].generate.remote(prompt, sampling)
+            finally:
+                load.in_flight_requests -= 1
+                load.in_flight_tokens -= sampling.max_tokens
+            load.windows.append((t0, time.time()))
+            load.requests += 1
+            load.generated_tokens += len(completion.token_ids)
+            return completion
+
+    def take_windows(self) -> list[list[tuple[float, float]]]:
+        """Busy windows per engine since the last call (then forgotten)."""
+        out = [load.windows for load in self.load]
+        for load in self.load:
+            load.windows = []
+        return out
+
+
+class RolloutClient:
+    """One trajectory's view of the router: `await client.generate(prompt, sampling)`."""
+
+    def __init__(self, router: Router, key: str):
+        self.router, self.key = router, key
+        self.engine: int | None = None  # the engine this trajectory's requests went to
+        self.requests = 0
+
+    async def generate(self, prompt: dict[str, Any], sampling: RequestSampling) -> Completion:
+        """One response to `prompt` (a vLLM prompt dict: `prompt_token_ids` plus multimodal data).
+        A request aborted by a weight update continues from its tokens so far."""
+        sampling = RequestSampling(**{**sampling.__dict__, "request_key": self.key})
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        text, attempt, current_prompt, current = "", 0, prompt, sampling
+        while True:
+            self.engine = self.router.pick(self.key)
+            self.requests += 1
+            c = await self.router._request(self.engine, current_prompt, current)
+            token_ids += c.token_ids
+            logprobs += c.logprobs
+            versions += c.token_versions
+            text += c.text
+            if c.finish_reason != "abort" or len(token_ids) >= sampling.max_tokens:
+                finish = c.finish_reason if c.finish_reason != "abort" else "length"
+                return Completion(token_ids=token_ids, logprobs=logprobs, text=text, finish_reason=finish,
+                                  token_versions=versions)
+            attempt += 1
+            self.router.load[self.engine].resubmitted += 1
+            current_prompt = {**prompt, "prompt_token_ids": list(prompt["prompt_token_ids"]) + token_ids}
+            current = sampling.continued(len(token_ids), attempt)
+
+    def close(self) -> None:
+        self.router.release(self.key)
+
+
+def generate_groups(engines: Sequence[Any], prompts: Sequence[dict[str, Any]],
+                    sampling: SamplingConfig) -> list[list[Completion]]:
+    """`sampling.n` completions per vLLM prompt dict, through a router over `engines`, from
+    synchronous code (scripts, tests, tools). Trajectory `j` of prompt `i` is seeded as in
+    training (`SamplingConfig.for_trajectory(i, j)`)."""
+
+    async def run() -> list[list[Completion]]:
+        router = Router(engines)
+
+        async def one(i: int, j: int) -> Completion:
+            request = sampling.for_trajectory(i, j)
+            client = router.client(request.request_key)
+            try:
+                return await client.generate(prompts[i], request)
+            finally:
+                client.close()
+
+        flat = await asyncio.gather(*[one(i, j) for i in range(len(prompts)) for j in range(sampling.n)])
+        return [list(flat[i * sampling.n:(i + 1) * sampling.n]) for i in range(len(prompts))]
+
+    return asyncio.run(run())
