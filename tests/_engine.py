@@ -23,7 +23,9 @@ def tiny_engine(model_dir: Path, run_dir: Path, agent_loop: str = "single_turn",
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     engine = workers = None
     try:
+        # chunked prefill off, as start_runtime sets it on CPU: seeded requests need it (engine.generate)
         kwargs = engine_kwargs(str(model_dir), "float32", 0, {"max_model_len": 512, "enforce_eager": True,
+                                                              "enable_chunked_prefill": False,
                                                               "limit_mm_per_prompt": {"image": 1, "video": 0}})
         engine = RolloutEngine.as_actor({"num_cpus": 1}, kwargs, env)
         ray.get(engine.ready.remote(), timeout=600)

@@ -20,7 +20,7 @@ DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "colors_demo.yaml")
 
 def test_cpu_plan_of_the_demo() -> None:
     plan = placement_plan(load_config(DEMO, [], check_files=False), "cpu")
-    assert [p.role for p in plan] == ["driver", "rollout", "reward", "trainer", "trainer"]
+    assert [p.role for p in plan] == ["driver", "rollout", "rollout_worker", "reward", "trainer", "trainer"]
     assert all("GPU" not in p.resources for p in plan)
     assert "total Ray resources requested: CPU=2" in format_plan(plan)
 

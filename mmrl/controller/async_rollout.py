@@ -212,4 +212,8 @@ def run_async_step(rt: Any, window: AsyncRollout, advantage_fn: Any, spans: Any,
     metrics.update({"weight_sync/mb": sync["mb"], "weight_version": float(rt.weight_version)})
     if rt.monitor is not None:
         metrics.update(rt.monitor.metrics())
+    # the engines' busy windows since the last step (trace tracks rollout/engine_<i>)
+    for engine, windows in enumerate(rt.workers.engine_windows(len(rt.engines))):
+        for start, end in windows:
+            spans.add(f"rollout/engine_{engine}", start, end - start)
     return metrics, [d.sample for d in batch]

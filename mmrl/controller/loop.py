@@ -136,7 +136,8 @@ def start_runtime(cfg: Config) -> Runtime:
                          on_error=cfg.reward_execution.on_error.value, start_timeout_s=300.0,
                          actor_options=next(p for p in plan if p.role == "reward").ray_options())
     workers = RolloutWorkers(cfg.rollout.num_workers, engines, processor_spec, cfg.rollout.agent_loop,
-                             cfg.rollout.agent_loop_args, cfg.rollout.max_requests_per_engine)
+                             cfg.rollout.agent_loop_args, cfg.rollout.max_requests_per_engine,
+                             actor_options=next(p for p in plan if p.role == "rollout_worker").ray_options())
     ray.get([t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines])
     workers.ready()
     return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,

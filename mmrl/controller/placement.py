@@ -25,16 +25,21 @@ def placement_plan(cfg: Config, device: str) -> list[Placement]:
     gpu = device == "cuda"
     tp = int(cfg.rollout.engine_args.get("tensor_parallel_size", 1))
     plan = [Placement("driver", 0, {"CPU": 0.0},
-                      f"controller loop, shard stream ({cfg.data.num_workers} loader workers), "
-                      f"processor '{cfg.processor.name}', reward streaming, metrics")]
+                      f"controller loop ({cfg.rollout.mode.value} rollout), shard stream "
+                      f"({cfg.data.num_workers} loader workers), reward streaming, metrics")]
     for i in range(cfg.rollout.num_engines):
         res = {"CPU": cfg.cluster.rollout_cpus_per_engine}
         if gpu:
             res["GPU"] = float(tp)
         plan.append(Placement("rollout", i, res,
-                              f"vLLM engine ({'GPU x%d' % tp if gpu else 'CPU'}), agent loop "
-                              f"'{cfg.rollout.agent_loop}', n={cfg.rollout.group_size}, "
-                              f"~{-(-cfg.rollout.prompts_per_step // cfg.rollout.num_engines)} prompts/step"))
+                              f"vLLM AsyncLLM engine ({'GPU x%d' % tp if gpu else 'CPU'}), "
+                              f"~{-(-cfg.rollout.prompts_per_step // cfg.rollout.num_engines)} prompts/step "
+                              f"x n={cfg.rollout.group_size}"))
+    for w in range(cfg.rollout.num_workers):
+        # asyncio actors: the processor and the agent loops, mostly waiting on the engines
+        plan.append(Placement("rollout_worker", w, {"CPU": 0.0},
+                              f"processor '{cfg.processor.name}', agent loop '{cfg.rollout.agent_loop}', "
+                              f"router over {cfg.rollout.num_engines} engine(s)"))
     for w in range(cfg.reward_execution.num_workers):
         res = {"CPU": cfg.reward_execution.num_cpus}
         if cfg.reward_execution.num_gpus:
@@ -61,10 +66,10 @@ def placement_plan(cfg: Config, device: str) -> list[Placement]:
 
 
 def format_plan(plan: list[Placement]) -> str:
-    lines = [f"{'actor':<12} {'resources':<22} work"]
+    lines = [f"{'actor':<18} {'resources':<22} work"]
     for p in plan:
         res = ", ".join(f"{k}={v:g}" for k, v in p.resources.items())
-        lines.append(f"{p.role + '/' + str(p.index):<12} {res:<22} {p.work}")
+        lines.append(f"{p.role + '/' + str(p.index):<18} {res:<22} {p.work}")
     total = {}
     for p in plan:
         for k, v in p.resources.items():

@@ -6,6 +6,11 @@ trajectory sticks to that engine, so a multi-turn prefix hits its prefix cache. 
 `max_requests_per_engine` requests wait on one engine; a loop asking for more awaits its turn
 (back-pressure instead of an unbounded queue inside vLLM).
 
+Requests for the same prompt object on the same engine that are issued in the same event-loop
+turn (a group's `group_size` single-turn loops start together) travel in ONE actor call; inside
+the engine they are still separate requests (own seeds, versions, aborts). One Ray call per
+group instead of per trajectory keeps the per-call cost of the actor hop off the rollout.
+
 An agent loop holds a `RolloutClient`: the router seen by one trajectory. A request that a weight
 update aborted (`rollout.partial=abort`) is resubmitted here with the tokens it already has as a
 prefix, so the loop sees one completion whose tokens carry the versions that sampled them.
@@ -33,6 +38,13 @@ class EngineLoad:
     windows: list[tuple[float, float]] = field(default_factory=list)
 
 
+@dataclass
+class _Batch:
+    prompt: dict[str, Any]
+    items: list[tuple[RequestSampling, Any]] = field(default_factory=list)
+    task: Any = None
+
+
 class Router:
     """Least-loaded, sticky routing of single requests over engine actors (see module docstring)."""
 
@@ -41,6 +53,8 @@ class Router:
         self.load = [EngineLoad() for _ in self.engines]
         self._sticky: dict[str, int] = {}
         self._slots = [asyncio.Semaphore(max_requests_per_engine) for _ in self.engines]
+        # (engine, id(prompt)) -> the batch being collected in this event-loop turn
+        self._collecting: dict[tuple[int, int], _Batch] = {}
 
     def pick(self, key: str) -> int:
         """The engine for trajectory `key`: its engine so far, else the least loaded."""
@@ -65,7 +79,7 @@ class Router:
             load.in_flight_tokens += sampling.max_tokens
             t0 = time.time()
             try:
-                completion: Completion = await self.engines[engine].generate.remote(prompt, sampling)
+                completion = await self._join_batch(engine, prompt, sampling)
             finally:
                 load.in_flight_requests -= 1
                 load.in_flight_tokens -= sampling.max_tokens
@@ -73,6 +87,35 @@ class Router:
             load.requests += 1
             load.generated_tokens += len(completion.token_ids)
             return completion
+
+    def _join_batch(self, engine: int, prompt: dict[str, Any], sampling: RequestSampling) -> "asyncio.Future[Completion]":
+        loop = asyncio.get_running_loop()
+        key = (engine, id(prompt))
+        batch = self._collecting.get(key)
+        if batch is None:
+            batch = self._collecting[key] = _Batch(prompt)
+            loop.call_soon(self._send, key)  # after the requests already started in this turn
+        future: asyncio.Future[Completion] = loop.create_future()
+        batch.items.append((sampling, future))
+        return future
+
+    def _send(self, key: tuple[int, int]) -> None:
+        batch = self._collecting.pop(key)
+        call = self.engines[key[0]].generate_many.remote(batch.prompt, [s for s, _ in batch.items])
+
+        async def deliver() -> None:
+            try:
+                completions = await call
+            except BaseException as e:  # the engine failed: every request of the batch fails with it
+                for _, future in batch.items:
+                    if not future.done():
+                        future.set_exception(e)
+                return
+            for (_, future), completion in zip(batch.items, completions):
+                if not future.done():
+                    future.set_result(completion)
+
+        batch.task = asyncio.ensure_future(deliver())  # kept: a task nobody references may be collected
 
     def take_windows(self) -> list[list[tuple[float, float]]]:
         """Busy windows per engine since the last call (then forgotten)."""

@@ -129,6 +129,17 @@ class RolloutEngine:
         """One response to `prompt` (a vLLM prompt dict: token ids plus multimodal data).
         A request aborted by a weight update with `partial="abort"` returns what it had, with
         `finish_reason="abort"`; the rollout client resubmits it with that prefix."""
+        return (await self.generate_many(prompt, [sampling]))[0]
+
+    async def generate_many(self, prompt: dict[str, Any], samplings: list[RequestSampling]) -> list[Completion]:
+        """Several responses to one prompt, each its own request (one actor call for a group).
+        The prompt is rendered once (vLLM's own n-sample requests share one rendering too)."""
+        # vLLM's rendering of a token-id prompt with its images/videos: the multimodal processor
+        # runs here, in the engine actor
+        (engine_input,) = await self.llm.renderer.render_cmpl_async([prompt])
+        return list(await asyncio.gather(*[self._generate(engine_input, s) for s in samplings]))
+
+    async def _generate(self, engine_input: Any, sampling: RequestSampling) -> Completion:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -151,9 +162,6 @@ class RolloutEngine:
         logprobs: list[float] = []
         text, finish, spans = "", None, None
         try:
-            # vLLM's own rendering of a token-id prompt with its images/videos (the multimodal
-            # processor runs here, in the engine actor)
-            (engine_input,) = await self.llm.renderer.render_cmpl_async([prompt])
             # streamed as deltas: progress() can tell how far each request is
             async for out in self.llm.generate(engine_input, params, request_id=request_id):
                 c = out.outputs[0]
