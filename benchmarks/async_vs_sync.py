@@ -39,7 +39,8 @@ MODES: dict[str, list[str]] = {
 }
 TASK = ["rollout.agent_loop=benchmarks/long_tail_loop.py:long_tail", "rollout.max_new_tokens=256",
         "rollout.prompts_per_step=8", "rollout.group_size=8", "data.heldout_shards=null",
-        "algorithm.rollout_correction.mode=tis", "checkpoint.every_steps=0", "run.time_limit_s=null",
+        "algorithm.rollout_correction.mode=tis", "checkpoint.every_steps=0", "stability.enabled=false",
+        "run.time_limit_s=null",
         "logging.progress_bar=false", "logging.console_every=10"]
 
 
@@ -104,7 +105,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every mode")
     args = ap.parse_args()
     out = Path(args.out)
-    runs = out / "async_vs_sync_runs"
+    runs = out / "runs" / "async_vs_sync"
     runs.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.modes:
