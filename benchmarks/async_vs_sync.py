@@ -120,7 +120,8 @@ def main() -> None:
             r["throughput_ratio_vs_sync"] = r["samples_per_s"] / base["samples_per_s"]
             print(f"{r['mode']:<17} x{r['throughput_ratio_vs_sync']:.2f} samples/s vs sync, "
                   f"final reward {r['final_reward']:.3f} vs {base['final_reward']:.3f}")
-    (out / "async_vs_sync.json").write_text(json.dumps({"steps": args.steps, "seed": args.seed, "task": TASK,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    (out / "async_vs_sync.json").write_text(json.dumps({"commit": commit, "steps": args.steps, "seed": args.seed, "task": TASK,
                                                         "cpu_count": os.cpu_count(), "results": results}, indent=1))
     plot(results, out / "async_vs_sync.png")
     print(f"wrote {out / 'async_vs_sync.json'} and .png")

@@ -1,12 +1,14 @@
 """Async rollout (`rollout.mode: async`): generation goes on while the trainer trains.
 
 `AsyncRollout` keeps a bounded window of groups drawn from the stream but not yet trained on:
-in the rollout workers, being scored, or scored and waiting in the buffer. The window holds
-`rollout.prompts_per_step * (rollout.max_staleness + 1)` groups (`rollout.max_buffered_groups`
-overrides it), so over-sampling is bounded and the buffer never grows without limit. A training
-step `take`s `prompts_per_step` scored groups, oldest first, as soon as they are ready; the
-engines keep generating the rest through the update (a weight update freezes or aborts what is
-in flight, see docs/rollout.md).
+in the rollout workers, being scored, or scored and waiting in the buffer. Admission is tied to
+the trainer's version: with B = prompts_per_step, at most (versions since start + k + 1) * B
+groups are ever admitted beyond those dropped, so a group is admitted at most k versions before
+the step that can train on it, and the window never holds more than (k + 1) * B groups
+(`rollout.max_buffered_groups` caps it further). A training step `take`s B scored groups, oldest
+first, as soon as they are ready; the engines keep generating the rest through the update (a
+weight update freezes, aborts or waits for what is in flight, see docs/rollout.md), and the
+window admits the next B once the new weights are in (`on_new_version`).
 
 Staleness is counted in weight versions, from the OLDEST token of a trajectory: a group whose
 oldest token is more than `max_staleness` versions behind the trainer is dropped and counted
@@ -54,10 +56,13 @@ class _Draw:
 class AsyncRollout:
     """The rollout window of an async run (see module docstring)."""
 
-    def __init__(self, rt: Any, batches: Any, *, capacity: int, max_staleness: int, informative_only: bool,
-                 resume: dict[str, Any] | None = None, seed: int = 0):
+    def __init__(self, rt: Any, batches: Any, *, batch_size: int, capacity: int, max_staleness: int,
+                 informative_only: bool, resume: dict[str, Any] | None = None, seed: int = 0, version: int = 0):
         self.rt, self.batches = rt, batches
-        self.capacity, self.max_staleness, self.informative_only = capacity, max_staleness, informative_only
+        self.batch_size, self.capacity = batch_size, capacity
+        self.max_staleness, self.informative_only = max_staleness, informative_only
+        self._start_version, self._version = version, version
+        self._trained = 0  # groups taken for training by this window
         self.sampling = SamplingConfig(**{**rt.sampling.__dict__,
                                           "seed": seed if rt.cfg.rollout.seed_per_step else None})
         # Draw indices count from the cursor this run started at (the checkpoint's, on resume).
@@ -83,9 +88,19 @@ class AsyncRollout:
         self._draws[index] = draw
         self.counts["drawn"] += 1
 
+    def _admissible(self) -> int:
+        """How many more groups may be drawn now (see the module docstring)."""
+        budget = (self._version - self._start_version + self.max_staleness + 1) * self.batch_size
+        return min(self.capacity - len(self._draws), budget - self._trained - len(self._draws))
+
     def _fill(self) -> None:
-        while len(self._draws) < self.capacity:
+        for _ in range(max(0, self._admissible())):
             self._draw()
+
+    def on_new_version(self, version: int) -> None:
+        """The engines run `version` now: admit the groups it makes room for."""
+        self._version = version
+        self._fill()
 
     def _oldest_open(self) -> int:
         return min(self._draws) if self._draws else self._next_index
@@ -134,6 +149,7 @@ class AsyncRollout:
     def take(self, n: int, version: int) -> tuple[list[_Draw], dict[str, float]]:
         """`n` scored groups, oldest first, none staler than max_staleness at trainer `version`."""
         t0 = time.time()
+        self._version = version
         dropped = Counter()
         while True:
             self._fill()
@@ -159,7 +175,7 @@ class AsyncRollout:
         batch = ready[:n]
         for draw in batch:
             self._consume(draw.index)
-        self._fill()  # the engines generate the next groups while the trainer trains on these
+        self._trained += len(batch)
         staleness = [self._staleness(d, version) for d in batch]
         self.counts.update({f"dropped_{k}": v for k, v in dropped.items()})
         metrics = {
@@ -210,6 +226,7 @@ def run_async_step(rt: Any, window: AsyncRollout, advantage_fn: Any, spans: Any,
         sync = ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, cfg.weight_sync.bucket_mb)
                         for t in rt.trainers])[0]
     metrics.update({"weight_sync/mb": sync["mb"], "weight_version": float(rt.weight_version)})
+    window.on_new_version(rt.weight_version)
     if rt.monitor is not None:
         metrics.update(rt.monitor.metrics())
     # the engines' busy windows since the last step (trace tracks rollout/engine_<i>)

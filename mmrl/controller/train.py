@@ -76,9 +76,9 @@ def _window(cfg: Config, rt: Runtime, batches: SampleBatches, resume: dict[str, 
     from mmrl.controller.loop import step_seed
 
     capacity = cfg.rollout.max_buffered_groups or cfg.rollout.prompts_per_step * (cfg.rollout.max_staleness + 1)
-    return AsyncRollout(rt, batches, capacity=capacity, max_staleness=cfg.rollout.max_staleness,
-                        informative_only=cfg.algorithm.dynamic_sampling.enabled, resume=resume,
-                        seed=step_seed(cfg.run.seed, 0x5EED))
+    return AsyncRollout(rt, batches, batch_size=cfg.rollout.prompts_per_step, capacity=capacity,
+                        max_staleness=cfg.rollout.max_staleness, informative_only=cfg.algorithm.dynamic_sampling.enabled,
+                        resume=resume, seed=step_seed(cfg.run.seed, 0x5EED), version=rt.weight_version)
 
 
 def _trace_step(trace: TraceWriter, step: int, spans: StepSpans) -> None:
