@@ -71,7 +71,6 @@ class AsyncRollout:
         self._cursor_before: dict[int, dict[str, Any]] = {}  # stream state just before draw i
         self._consumed: set[int] = set()  # consumed draws newer than the oldest open one
         self._skip: set[int] = set(resume.get("skip", [])) if resume else set()
-        self.counts: Counter[str] = Counter()
 
     # ---- the window ----------------------------------------------------------------------------
     def _draw(self) -> None:
@@ -86,7 +85,6 @@ class AsyncRollout:
         draw = _Draw(index, sample)
         draw.ref = self.rt.workers.submit(sample, index, self.sampling)
         self._draws[index] = draw
-        self.counts["drawn"] += 1
 
     def _admissible(self) -> int:
         """How many more groups may be drawn now (see the module docstring)."""
@@ -125,7 +123,6 @@ class AsyncRollout:
                 draw.ref = None
                 if out.failure is not None:
                     self.batches.record_failure(out.failure)
-                    self.counts["refused"] += 1
                     self._consume(draw.index)
                     continue
                 self.batches.record_success()
@@ -177,7 +174,6 @@ class AsyncRollout:
             self._consume(draw.index)
         self._trained += len(batch)
         staleness = [self._staleness(d, version) for d in batch]
-        self.counts.update({f"dropped_{k}": v for k, v in dropped.items()})
         metrics = {
             "async/wait_s": time.time() - t0,
             "async/staleness_mean": float(np.mean(staleness)),

@@ -198,13 +198,6 @@ class RolloutEngine:
             self._busy_s += time.time() - self._busy_since
             self._busy_since = None
 
-    async def abort(self, request_key: str) -> int:
-        """Abort every in-flight request of one trajectory (its `request_key`)."""
-        ids = [r for r in self._in_flight if r.startswith(f"{request_key}-")]
-        if ids:
-            await self.llm.abort(ids)
-        return len(ids)
-
     def stats(self, reset_peaks: bool = False) -> dict[str, float]:
         """Totals so far (generated tokens, busy seconds: any request in flight, pauses) and peaks
         since the last reset (requests in flight, vLLM's waiting queue and KV-cache use)."""

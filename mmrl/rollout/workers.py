@@ -42,8 +42,6 @@ class GroupOutcome:
     trajectories: list[Trajectory] = field(default_factory=list)
     failure: BadSample | None = None
     worker: int = 0
-    process_s: float = 0.0
-    generate_s: float = 0.0
 
 
 def absolute_plugin_spec(spec: str) -> str:
@@ -87,15 +85,12 @@ class RolloutWorker:
     async def rollout_group(self, sample: Sample, slot: int, sampling: SamplingConfig,
                             cache_prompt: bool = False) -> GroupOutcome:
         assert self.router is not None, "call ready() first"
-        t0 = time.time()
         prompt = self._process(sample, cache_prompt)
         if isinstance(prompt, BadSample):
             return GroupOutcome(slot, sample.key, failure=prompt, worker=self.index)
-        t1 = time.time()
         trajectories = await asyncio.gather(*[self._trajectory(sample, prompt, slot, j, sampling)
                                                for j in range(sampling.n)])
-        return GroupOutcome(slot, sample.key, prompt=prompt, trajectories=list(trajectories), worker=self.index,
-                            process_s=t1 - t0, generate_s=time.time() - t1)
+        return GroupOutcome(slot, sample.key, prompt=prompt, trajectories=list(trajectories), worker=self.index)
 
     async def _trajectory(self, sample: Sample, prompt: ProcessedPrompt, slot: int, member: int,
                           sampling: SamplingConfig) -> Trajectory:
