@@ -31,3 +31,15 @@ def colors_samples(colors_dir: Path) -> list:
     from mmrl.data.stream import load_all
 
     return load_all(str(colors_dir / "heldout-000000.tar"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ray_shut_down_after_module():
+    """A module fixture that fails after starting Ray never reaches its teardown; without this, every
+    later module that starts Ray fails too ("called ray.init twice") and one error becomes many."""
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

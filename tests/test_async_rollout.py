@@ -50,12 +50,15 @@ def parts(tiny_model_dir: Path, colors_dir: Path, tmp_path_factory: pytest.TempP
 
     plugin = tmp_path_factory.mktemp("loops") / "versioned.py"
     plugin.write_text(VERSIONED_LOOP)
+    # the config first: a clean clone has no demo shards, so they come from the test's own data set
+    cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"),
+                      [f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-000000.tar",
+                       f"data.heldout_shards={colors_dir}/heldout-000000.tar"])
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     workers = RolloutWorkers(1, [], {"name": "auto", "model_path": str(tiny_model_dir)}, f"{plugin}:versioned",
                              {"old": 0, "new": 5, "words": ["red", "blue"]})
     workers.ready()
     rewards = RewardPool([{"name": "first_word_in", "args": {"words": ["red"]}}], num_workers=1, timeout_s=30)
-    cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"), [f"model.path={tiny_model_dir}"])
     processor = build_processor("auto", str(tiny_model_dir))
     from mmrl.rollout.types import SamplingConfig
 
@@ -190,7 +193,7 @@ def test_which_runs_recompute_old_logprobs(tiny_model_dir: Path) -> None:
 
     def needs(*overrides: str) -> bool:
         return needs_old_logprobs(load_config(str(REPO / "configs" / "colors_demo.yaml"),
-                                              [f"model.path={tiny_model_dir}", *overrides]))
+                                              [f"model.path={tiny_model_dir}", *overrides], check_files=False))
 
     assert not needs() and needs("algorithm.ppo_epochs=2") and needs("rollout.mode=async")
     assert needs("algorithm.old_logprobs=recompute")
