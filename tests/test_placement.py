@@ -55,3 +55,11 @@ def test_torch_extensions_dir_is_per_python_environment(tmp_path: Path, monkeypa
     assert torch_extensions_dir() == str(expected)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))  # the user's choice wins
     assert torch_extensions_dir() == str(tmp_path / "mine")
+
+
+def test_trainer_backend_plan_has_no_vllm_engine() -> None:
+    """rollout.backend=trainer: one sampler actor on the trainer ranks (no CPU of its own), no engines."""
+    plan = placement_plan(load_config(DEMO, ["rollout.backend=trainer", "rollout.num_engines=2"], check_files=False), "cpu")
+    rollout = [p for p in plan if p.role == "rollout"]
+    assert len(rollout) == 1 and rollout[0].resources == {"CPU": 0.0} and "trainer ranks" in rollout[0].work
+    assert "weight buckets" not in format_plan(plan)

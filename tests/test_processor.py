@@ -141,3 +141,25 @@ def test_declared_media_limits_are_the_processors_own(arch: str, tmp_path: Path)
             proc(video(1))
     else:
         assert limits.video_problem(1, 56, 56) is None and proc(video(1)).mm_inputs
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def test_expanding_the_engine_prompt_gives_the_trainer_prompt(arch: str, tmp_path: Path, colors_samples: list) -> None:
+    """`expand(vllm_input)` (what rollout.backend=trainer sees) reproduces the trainer side of the
+    one processor call exactly, for image, multi-image, video and mixed prompts; tokens appended
+    after the prompt (a later turn) continue at the next text position."""
+    proc = build_processor("auto", str(build_tiny_vlm(arch, tmp_path / arch, seed=1)))
+    for sample in colors_samples[:1] + _video_and_multi_image_samples(colors_samples):
+        p = proc(sample)
+        e = proc.expand(p.vllm_input)
+        assert e.prompt_ids == p.prompt_ids, (arch, sample.key)
+        assert torch.equal(e.position_ids_3P, p.position_ids_3P) and e.next_position == p.next_position
+        assert sorted(e.mm_inputs) == sorted(p.mm_inputs)
+        for k, v in p.mm_inputs.items():
+            assert torch.equal(e.mm_inputs[k], v), (arch, sample.key, k)
+        turn = proc.expand({**p.vllm_input, "prompt_token_ids": p.vllm_input["prompt_token_ids"] + [11, 12]})
+        assert turn.prompt_ids == p.prompt_ids + [11, 12]
+        assert turn.position_ids_3P[:, -2:].tolist() == [[p.next_position, p.next_position + 1]] * 3
+    lone = proc(colors_samples[0]).vllm_input
+    with pytest.raises(PromptRejected, match="more vision pads"):
+        proc.expand({"prompt_token_ids": lone["prompt_token_ids"]})

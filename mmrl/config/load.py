@@ -189,6 +189,10 @@ def _check_positive(cfg: Config) -> None:
     if cfg.stability.enabled and not cfg.checkpoint.every_steps:
         raise ConfigError("Config key 'stability.enabled' is true but 'checkpoint.every_steps' is 0: the guard rolls "
                           "back to a checkpoint. Set checkpoint.every_steps (e.g. 25) or stability.enabled=false.")
+    if cfg.rollout.backend.value == "trainer" and cfg.rollout.mode.value != "sync":
+        raise ConfigError("Config key 'rollout.backend' is 'trainer' with rollout.mode=async: the trainer cannot "
+                          "sample while it trains. Use rollout.mode=sync with the trainer backend, or "
+                          "rollout.backend=vllm for async rollout.")
     if cfg.rollout.max_staleness < 0:
         raise ConfigError(f"Bad value for config key 'rollout.max_staleness': {cfg.rollout.max_staleness}. It counts "
                           f"weight versions: 0 (on-policy) or more.")

@@ -110,6 +110,14 @@ class PartialRollout(str, Enum):
     wait = "wait"
 
 
+class RolloutBackend(str, Enum):
+    # vLLM engines (rollout.num_engines AsyncLLM actors); weights are pushed after each update
+    vllm = "vllm"
+    # the trainer's own model and numerics samples (rollout/trainer_engine.py): no inference
+    # engine, no weight sync, no rollout/trainer mismatch by construction; slow; sync mode only
+    trainer = "trainer"
+
+
 class RolloutMode(str, Enum):
     # rollout, then update, then weight sync, strictly in turn
     sync = "sync"
@@ -123,6 +131,8 @@ class RolloutConfig:
     agent_loop: str = "single_turn"
     # Passed to the agent loop as ctx.args.
     agent_loop_args: dict[str, Any] = field(default_factory=dict)
+    # What samples: vLLM engines or the trainer itself (see RolloutBackend).
+    backend: RolloutBackend = RolloutBackend.vllm
     num_engines: int = 1
     mode: RolloutMode = RolloutMode.sync
     # async: a group whose oldest token is more than this many weight versions behind the

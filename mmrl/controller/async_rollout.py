@@ -218,9 +218,7 @@ def run_async_step(rt: Any, window: AsyncRollout, advantage_fn: Any, spans: Any,
     metrics["rollout/response_length"] = float(np.mean([len(t.response_ids) for g in groups for t in g]))
     metrics.update(update_policy(rt.trainers, cfg, [d.prompt for d in batch], groups, advantage_fn, spans, step))
     with spans("weight_sync"):
-        rt.weight_version += 1
-        sync = ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, cfg.weight_sync.bucket_mb)
-                        for t in rt.trainers])[0]
+        sync = rt.push_weights()
     metrics.update({"weight_sync/mb": sync["mb"], "weight_version": float(rt.weight_version)})
     window.on_new_version(rt.weight_version)
     if rt.monitor is not None:

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from mmrl.controller.rollout import EngineMonitor, rollout_and_score_groups, run
 from mmrl.processors import ProcessedPrompt, build_processor
 from mmrl.rewards.workers import RewardPool
 from mmrl.rollout.engine import RolloutEngine, engine_kwargs
+from mmrl.rollout.trainer_engine import TrainerRolloutEngine
 from mmrl.rollout.types import SamplingConfig, Trajectory
 from mmrl.rollout.workers import RolloutWorkers
 from mmrl.trainer.update import LossSettings
@@ -56,6 +56,18 @@ class Runtime:
     trainers: list[Any]
     weight_version: int = 0
     monitor: EngineMonitor | None = None  # per-step engine metrics
+
+    def push_weights(self, new_version: bool = True) -> dict[str, float]:
+        """Give the engines the trainers' weights (as `weight_version`, bumped first unless
+        `new_version` is false). With rollout.backend=trainer the sampler IS the trainer: only
+        the version moves."""
+        if new_version:
+            self.weight_version += 1
+        if self.cfg.rollout.backend.value == "trainer":
+            ray.get([e.apply_weights.remote(self.weight_version) for e in self.engines])
+            return {"mb": 0.0}
+        return ray.get([t.sync_weights.remote(self.engines, self.weight_version, self.cfg.weight_sync.bucket_mb)
+                        for t in self.trainers])[0]
 
     def close(self) -> None:
         self.rewards.close()
@@ -104,9 +116,10 @@ def start_runtime(cfg: Config) -> Runtime:
         llm_kwargs.setdefault("enforce_eager", True)
         if cfg.rollout.seed_per_step:
             llm_kwargs.setdefault("enable_chunked_prefill", False)  # see RolloutEngine.generate
+    vllm_backend = cfg.rollout.backend.value == "vllm"
     engines = [RolloutEngine.as_actor(p.ray_options(), {**llm_kwargs, "seed": cfg.run.seed + p.index}, env,
                                       partial=cfg.rollout.partial.value, recompute_kv=cfg.rollout.recompute_kv)
-               for p in plan if p.role == "rollout"]
+               for p in plan if p.role == "rollout" and vllm_backend]
     trainer_opts = next(p for p in plan if p.role == "trainer").ray_options()
     alg = cfg.algorithm
     loss = LossSettings(
@@ -129,6 +142,9 @@ def start_runtime(cfg: Config) -> Runtime:
         lora={"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
               "target_modules": list(lora.target_modules)} if lora.enabled else None)
     trainers = make_trainer_actors(spec, trainer_opts)
+    if not vllm_backend:
+        engines = [TrainerRolloutEngine.as_actor(p.ray_options(), trainers, processor_spec)
+                   for p in plan if p.role == "rollout"]
     # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
     rewards = RewardPool([{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards],
@@ -230,9 +246,7 @@ def run_step(rt: Runtime, samples: list[Sample], advantage_fn: Any, spans: StepS
         return metrics, used
     metrics.update(update_policy(rt.trainers, cfg, prompts, groups, advantage_fn, spans, step))
     with spans("weight_sync"):
-        rt.weight_version += 1
-        sync = ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, cfg.weight_sync.bucket_mb)
-                        for t in rt.trainers])[0]
+        sync = rt.push_weights()
     metrics.update({"weight_sync/mb": sync["mb"], "weight_version": float(rt.weight_version)})
     if rt.monitor is not None:
         metrics.update(rt.monitor.metrics())

@@ -27,7 +27,11 @@ def placement_plan(cfg: Config, device: str) -> list[Placement]:
     plan = [Placement("driver", 0, {"CPU": 0.0},
                       f"controller loop ({cfg.rollout.mode.value} rollout), shard stream "
                       f"({cfg.data.num_workers} loader workers), reward streaming, metrics")]
-    for i in range(cfg.rollout.num_engines):
+    if cfg.rollout.backend.value == "trainer":
+        plan.append(Placement("rollout", 0, {"CPU": 0.0},
+                              f"sampler on the trainer ranks (rollout.backend=trainer): batches the workers' "
+                              f"requests for the {cfg.trainer.world_size} ZeRO-3 rank(s)"))
+    for i in range(cfg.rollout.num_engines if cfg.rollout.backend.value == "vllm" else 0):
         res = {"CPU": cfg.cluster.rollout_cpus_per_engine}
         if gpu:
             res["GPU"] = float(tp)
@@ -39,7 +43,7 @@ def placement_plan(cfg: Config, device: str) -> list[Placement]:
         # asyncio actors: the processor and the agent loops, mostly waiting on the engines
         plan.append(Placement("rollout_worker", w, {"CPU": 0.0},
                               f"processor '{cfg.processor.name}', agent loop '{cfg.rollout.agent_loop}', "
-                              f"router over {cfg.rollout.num_engines} engine(s)"))
+                              f"router over {cfg.rollout.num_engines if cfg.rollout.backend.value == 'vllm' else 1} engine(s)"))
     for w in range(cfg.reward_execution.num_workers):
         res = {"CPU": cfg.reward_execution.num_cpus}
         if cfg.reward_execution.num_gpus:
@@ -61,7 +65,7 @@ def placement_plan(cfg: Config, device: str) -> list[Placement]:
                               f"DeepSpeed ZeRO-3 rank {r}/{cfg.trainer.world_size} "
                               f"({'nccl' if gpu else 'gloo'}), ~"
                               f"{cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.trainer.world_size} "
-                              f"sequences/step" + (", sends weight buckets to the engines" if r == 0 else "")))
+                              f"sequences/step" + (", sends weight buckets to the engines" if r == 0 and cfg.rollout.backend.value == "vllm" else "")))
     return plan
 
 

@@ -90,9 +90,7 @@ def _sync_engines(rt: Runtime, new_version: bool) -> None:
     """Push the trainers' weights to the engines after a restore. On resume the fresh engines get
     the checkpoint's own version (the same weights); after a rollback the engines held newer
     weights, so the restored ones get a new version and versions stay monotonic."""
-    if new_version:
-        rt.weight_version += 1
-    ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, rt.cfg.weight_sync.bucket_mb) for t in rt.trainers])
+    rt.push_weights(new_version)
 
 
 def scheduled_lr(cfg: Config, step: int, lr_scale: float = 1.0) -> float:

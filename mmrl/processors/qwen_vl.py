@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoProcessor
 
 from mmrl.data.media_limits import MediaLimits
-from mmrl.data.sample import Sample, Video
+from mmrl.data.sample import Sample
 from mmrl.processors.base import ProcessedPrompt, PromptRejected
 from mmrl.registry import register
 
@@ -37,14 +37,20 @@ def _inner_model_class(model_type: str) -> type:
     return cls
 
 
-def _hf_video_metadata(video: Video) -> Any:
+def _hf_video_metadata(frames: Any, meta: dict[str, Any]) -> Any:
+    """transformers' metadata of sampled `frames` from the per-video dict vLLM gets (`Video.vllm_metadata`)."""
     from transformers.video_utils import VideoMetadata
 
-    meta = video.vllm_metadata()
-    height, width = video.frames.shape[1:3]
+    height, width = frames.shape[1:3]
     return VideoMetadata(total_num_frames=meta["total_num_frames"], fps=meta["fps"], width=width, height=height,
                          duration=meta["duration"], video_backend=meta["video_backend"],
                          frames_indices=meta["frames_indices"])
+
+
+def _as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) and not (len(x) == 2 and isinstance(x[1], dict)) else [x]
 
 
 class _RopeIndex:
@@ -147,7 +153,7 @@ class QwenVLProcessor:
             # Frames arrive already sampled; the metadata carries their rate so the processor
             # derives the same temporal positions (and Qwen3-VL timestamps) as vLLM does.
             kwargs.update(videos=[v.frames for v in sample.videos], do_sample_frames=False,
-                          video_metadata=[_hf_video_metadata(v) for v in sample.videos])
+                          video_metadata=[_hf_video_metadata(v.frames, v.vllm_metadata()) for v in sample.videos])
         enc = self.hf(text=[text], images=sample.images or None, return_tensors="pt", **kwargs)
         ids = enc["input_ids"][0]
         if ids.numel() > self.max_prompt_tokens:
@@ -171,6 +177,59 @@ class QwenVLProcessor:
         return ProcessedPrompt(key=sample.key, vllm_input=vllm_input, prompt_ids=ids.tolist(),
                                position_ids_3P=positions_3P, next_position=int(positions_3P.max()) + 1,
                                mm_inputs=mm_inputs)
+
+    def expand(self, vllm_input: dict[str, Any]) -> ProcessedPrompt:
+        """The trainer's view of an engine prompt: `vllm_input` (token ids with one pad per
+        image/video, the raw media) with every vision block expanded, the vision tensors and the
+        M-RoPE positions. For a prompt made by `__call__` it is that call's trainer side exactly
+        (tests/test_processor.py); it also takes what an agent loop builds from one (the prompt
+        plus earlier turns), which is how `rollout.backend: trainer` sees the engines' inputs.
+        Each medium is processed alone (the HF processor treats media independently), and its
+        `<|vision_start|><|pad|><|vision_end|>` triple is replaced by the processor's expansion."""
+        ids = list(vllm_input["prompt_token_ids"])
+        media = vllm_input.get("multi_modal_data") or {}
+        images, videos = iter(_as_list(media.get("image"))), iter(_as_list(media.get("video")))
+        start, end = (self.tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+        out_ids: list[int] = []
+        types: list[int] = []
+        parts: dict[str, list[torch.Tensor]] = {}
+        i = 0
+        while i < len(ids):
+            tok = ids[i]
+            if tok not in (self.image_token_id, self.video_token_id):
+                out_ids.append(tok)
+                types.append(0)
+                i += 1
+                continue
+            if not (out_ids and out_ids[-1] == start and i + 1 < len(ids) and ids[i + 1] == end):
+                raise PromptRejected(f"vision pad at position {i} is not inside <|vision_start|>...<|vision_end|>")
+            out_ids.pop()
+            types.pop()
+            snippet = "<|vision_start|>" + ("<|image_pad|>" if tok == self.image_token_id else "<|video_pad|>") + \
+                "<|vision_end|>"
+            kwargs: dict[str, Any] = dict(self._image_kwargs)
+            try:
+                if tok == self.image_token_id:
+                    kwargs["images"] = [next(images)]
+                else:
+                    frames, meta = next(videos)
+                    kwargs.update(videos=[frames], do_sample_frames=False,
+                                  video_metadata=[_hf_video_metadata(frames, meta)])
+            except StopIteration:
+                raise PromptRejected("the prompt has more vision pads than multi_modal_data has media") from None
+            enc = self.hf(text=[snippet], return_tensors="pt", **kwargs)
+            out_ids += enc["input_ids"][0].tolist()
+            types += enc["mm_token_type_ids"][0].tolist()
+            for k in MM_KEYS:
+                if k in enc:
+                    parts.setdefault(k, []).append(torch.as_tensor(enc[k]))
+            i += 2  # the pad and its <|vision_end|>
+        if next(images, None) is not None or next(videos, None) is not None:
+            raise PromptRejected("multi_modal_data has more media than the prompt has vision pads")
+        mm_inputs = {k: torch.cat(v) for k, v in parts.items()}
+        positions_3P = self._rope_index(torch.tensor([out_ids]), torch.tensor([types]), **mm_inputs)
+        return ProcessedPrompt(key="", vllm_input=vllm_input, prompt_ids=out_ids, position_ids_3P=positions_3P,
+                               next_position=int(positions_3P.max()) + 1, mm_inputs=mm_inputs)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from mmrl.rollout.counters import RequestCounters
 from mmrl.rollout.types import Completion, RequestSampling
 from mmrl.rollout.vllm_logs import configure_engine_logging
 
@@ -96,14 +97,7 @@ class RolloutEngine:
         self.weight_version = 0
         self.start_seconds = 0.0
         self._scheduler: dict[str, float] = {}
-        self._in_flight: set[str] = set()
-        self._generated_tokens = 0
-        self._busy_since: float | None = None
-        self._busy_s = 0.0
-        self._t_created = time.time()
-        self._pauses, self._pause_s = 0, 0.0
-        self._max_in_flight = 0
-        self._progress: dict[str, int] = {}
+        self.counters = RequestCounters()
 
     @classmethod
     def as_actor(cls, options: dict[str, Any], llm_kwargs: dict[str, Any], env: dict[str, str],
@@ -157,7 +151,7 @@ class RolloutEngine:
             seed=sampling.seed, stop=list(sampling.stop) or None, ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA)
         request_id = f"{sampling.request_key or 'r'}-{uuid.uuid4().hex[:12]}"
-        self._enter(request_id)
+        self.counters.enter(request_id)
         ids: list[int] = []
         logprobs: list[float] = []
         text, finish, spans = "", None, None
@@ -169,11 +163,10 @@ class RolloutEngine:
                 logprobs += [float(step[tok].logprob) for tok, step in zip(new, c.logprobs or [])]
                 ids += new
                 text += c.text
-                self._progress[request_id] = len(ids)
+                self.counters.progress[request_id] = len(ids)
                 finish, spans = c.finish_reason, c.weight_versions or spans
         finally:
-            self._leave(request_id)
-        self._generated_tokens += len(ids)
+            self.counters.leave(request_id, len(ids))
         return Completion(token_ids=ids, logprobs=logprobs, text=text, finish_reason=finish,
                           token_versions=self._token_versions(spans, len(ids)))
 
@@ -185,36 +178,18 @@ class RolloutEngine:
             versions += [int(span.version)] * (span.end - span.start)
         return versions[:n] + [self.weight_version] * (n - len(versions))
 
-    def _enter(self, request_id: str) -> None:
-        if not self._in_flight:
-            self._busy_since = time.time()
-        self._in_flight.add(request_id)
-        self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
-
-    def _leave(self, request_id: str) -> None:
-        self._in_flight.discard(request_id)
-        self._progress.pop(request_id, None)
-        if not self._in_flight and self._busy_since is not None:
-            self._busy_s += time.time() - self._busy_since
-            self._busy_since = None
-
     def stats(self, reset_peaks: bool = False) -> dict[str, float]:
         """Totals so far (generated tokens, busy seconds: any request in flight, pauses) and peaks
         since the last reset (requests in flight, vLLM's waiting queue and KV-cache use)."""
-        busy = self._busy_s + (time.time() - self._busy_since if self._busy_since is not None else 0.0)
-        out = {"in_flight": float(len(self._in_flight)), "max_in_flight": float(self._max_in_flight),
-               "generated_tokens": float(self._generated_tokens), "busy_s": busy,
-               "alive_s": time.time() - self._t_created, "pauses": float(self._pauses), "pause_s": self._pause_s,
-               **self._scheduler}
+        out = {**self.counters.stats(reset_peaks), **self._scheduler}
         if reset_peaks:
-            self._max_in_flight = len(self._in_flight)
             self._scheduler.pop("kv_cache_usage_peak", None)
             self._scheduler.pop("waiting_peak", None)
         return out
 
     def progress(self) -> dict[str, int]:
         """Tokens received so far by each request in flight (request id -> count)."""
-        return dict(self._progress)
+        return dict(self.counters.progress)
 
     def configure(self, partial: str | None = None, recompute_kv: bool | None = None) -> None:
         """Change what the next weight updates do to requests in flight (see the module docstring)."""
@@ -233,7 +208,7 @@ class RolloutEngine:
         """Pause, load the staged weights, reset caches, set `version`, resume (see the module
         docstring). Returns the tensor count, the pause length and the requests it froze."""
         t0 = time.time()
-        frozen = len(self._in_flight)
+        frozen = len(self.counters.in_flight)
         await self.llm.pause_generation(mode=self.partial, clear_cache=self.recompute_kv)
         try:
             n = (await self.llm.collective_rpc("mmrl_apply_staged"))[0]
@@ -249,8 +224,7 @@ class RolloutEngine:
         finally:
             await self.llm.resume_generation()
         seconds = time.time() - t0
-        self._pauses += 1
-        self._pause_s += seconds
+        self.counters.paused(seconds)
         return {"tensors": float(n), "apply_seconds": seconds, "frozen_requests": float(frozen)}
 
     async def pause(self) -> None:

@@ -10,11 +10,11 @@ import os
 import random
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import ray
@@ -22,6 +22,7 @@ import torch
 
 from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
 from mmrl.trainer.deepspeed_config import build_deepspeed_config
+from mmrl.trainer.generate import GenerationRequest
 from mmrl.trainer.plan import StepInputs, filler_for
 from mmrl.trainer.update import SUM_KEYS, LossSettings, micro_batch_loss
 
@@ -123,23 +124,28 @@ class TrainerWorker:
     def _forward(self, seqs: Sequence[TrainSequence], engine: Any = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
         engine = engine or self.engine
         mb = collate(seqs, self.spec.pad_token_id)
-        hook = None
-        if "pixel_values" not in mb.mm_inputs and "pixel_values_videos" not in mb.mm_inputs:
-            # A text-only micro-batch skips the vision tower; under ZeRO-3 its parameters would
-            # then be all-gathered on the other ranks but not here, and the collectives hang or
-            # mismatch. Run the tower on a dummy patch grid, with zero weight, at the point where
-            # the image path runs it (right after the token embedding), so every rank performs
-            # the same gathers in the same order.
-            embed = engine.module.get_input_embeddings()
-            hook = embed.register_forward_hook(lambda _m, _i, out: out + 0.0 * self._dummy_vision_output(engine))
-        try:
+        with self.vision_aligned(engine, mb.mm_inputs):
             out = engine(**mb.model_inputs())
-        finally:
-            if hook is not None:
-                hook.remove()
         logprobs_BT, entropy_BT = sampling_logprobs(out.logits, mb.response_ids_BT, self.spec.temperature,
                                                     self.spec.forbidden_token_ids)
         return mb, logprobs_BT, entropy_BT
+
+    @contextmanager
+    def vision_aligned(self, engine: Any, mm_inputs: dict[str, torch.Tensor]) -> Iterator[None]:
+        """A forward without images or videos skips the vision tower; under ZeRO-3 its parameters
+        would then be all-gathered on the other ranks but not here, and the collectives hang or
+        mismatch. For such a forward, run the tower on a dummy patch grid, with zero weight, at
+        the point where the image path runs it (right after the token embedding), so every rank
+        performs the same gathers in the same order."""
+        if "pixel_values" in mm_inputs or "pixel_values_videos" in mm_inputs:
+            yield
+            return
+        embed = engine.module.get_input_embeddings()
+        hook = embed.register_forward_hook(lambda _m, _i, out: out + 0.0 * self._dummy_vision_output(engine))
+        try:
+            yield
+        finally:
+            hook.remove()
 
     def _dummy_vision_output(self, engine: Any) -> torch.Tensor:
         model = engine.module
@@ -176,6 +182,47 @@ class TrainerWorker:
                 if not is_filler:
                     result += [logprobs_BT[i, :len(s.response_ids)].tolist() for i, s in enumerate(run)]
         return result
+
+    # ---- sampling (rollout.backend: trainer) ------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, requests: list[GenerationRequest], eos_token_ids: list[int]) -> list[dict[str, Any]]:
+        """Sample `requests` with the policy being trained (trainer/generate.py), then score the
+        sampled tokens with the very forward and logprob function the update uses: the behaviour
+        logprobs are the trainer's own, so the rollout/trainer mismatch is zero by construction
+        (up to floating-point reduction order between batch shapes). Collective: every rank gets
+        a call (at least one request each; fillers where it has none)."""
+        import torch.distributed as dist
+
+        from mmrl.trainer.generate import sample_responses
+
+        def all_done(local: bool) -> bool:
+            flag = torch.tensor([0 if local else 1], device=self._device())  # nccl reduces GPU tensors only
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return int(flag) == 0
+
+        decode = None
+        if any(r.sampling.stop for r in requests):
+            decode = self._tokenizer().decode
+        generated = sample_responses(
+            self.engine, requests,
+            pad_id=self.spec.pad_token_id, eos_token_ids=eos_token_ids, all_done=all_done, decode=decode,
+            prefill_context=lambda mm: self.vision_aligned(self.engine, mm))
+        seqs = [TrainSequence(prompt_ids=r.prompt_ids, position_ids_3P=r.position_ids_3P, next_position=r.next_position,
+                              mm_inputs=r.mm_inputs, response_ids=g.token_ids, behaviour_logprobs=[0.0] * len(g.token_ids),
+                              loss_mask=[1] * len(g.token_ids)) for r, g in zip(requests, generated)]
+        _, logprobs_BT, _ = self._forward(seqs)
+        return [{"token_ids": g.token_ids, "logprobs": logprobs_BT[i, :len(g.token_ids)].tolist(),
+                 "finish_reason": g.finish_reason} for i, (r, g) in enumerate(zip(requests, generated)) if not r.filler]
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.spec.device == "cuda" else torch.device("cpu")
+
+    def _tokenizer(self) -> Any:
+        if getattr(self, "_tok", None) is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.spec.model_path, trust_remote_code=self.spec.trust_remote_code)
+        return self._tok
 
     # ---- training ---------------------------------------------------------------------------------
     def train_step(self, inputs: StepInputs) -> dict[str, Any]:
