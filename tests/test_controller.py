@@ -126,3 +126,36 @@ def test_neighbouring_steps_never_share_a_sampling_seed() -> None:
     assert len(seeds) == steps * prompts * group
     assert step_seed(0, 5) == step_seed(0, 5) != step_seed(1, 5)
     assert SamplingConfig(seed=10).for_trajectory(3, 0).seed == 10 + 3 * SEED_STRIDE
+
+
+def test_trainer_inputs_travel_by_reference(rollout_workers, colors_samples: list, tiny_model_dir: Path) -> None:
+    """The driver gets a PromptRef per group (key, length, object ref), never the pixel tensors;
+    resolving it (as a trainer rank does) gives exactly the processor's trainer side. Evaluation
+    rollouts keep no trainer inputs at all."""
+    import dataclasses
+
+    import ray
+    import torch
+
+    from mmrl.controller.rollout import run_rollout
+    from mmrl.processors import PromptRef
+    from mmrl.rollout.types import SamplingConfig
+    from mmrl.trainer.batch import TrainSequence, resolve_prompts
+
+    samples = colors_samples[:3]
+    rollout = run_rollout(rollout_workers, samples, SamplingConfig(n=2))
+    processor = build_processor("auto", str(tiny_model_dir))
+    for sample, ref, group in zip(rollout.samples, rollout.prompts, rollout.groups):
+        assert isinstance(ref, PromptRef) and ref.key == sample.key
+        assert not any(isinstance(v, torch.Tensor) for v in dataclasses.asdict(ref).values())
+        local = processor(sample)
+        assert ref.num_tokens == len(local.prompt_ids)
+        seqs = [TrainSequence.from_prompt(ref, t.response_ids, t.behaviour_logprobs, t.loss_mask) for t in group]
+        assert seqs[0].num_tokens == len(local.prompt_ids) + len(group[0].response_ids) and not seqs[0].prompt_ids
+        resolve_prompts(seqs)
+        for s in seqs:
+            assert s.prompt_ids == local.prompt_ids and s.next_position == local.next_position
+            assert torch.equal(s.position_ids_3P, local.position_ids_3P)
+            assert all(torch.equal(s.mm_inputs[k], v) for k, v in local.mm_inputs.items())
+        assert ray.get(ref.ref).vllm_input == {}  # the raw media stay with the sample, not in the store
+    assert run_rollout(rollout_workers, samples, SamplingConfig(n=1), evaluation=True).prompts == [None] * 3

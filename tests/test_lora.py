@@ -80,3 +80,30 @@ def test_lora_trains_adapters_and_engines_get_merged_weights(runtime: Runtime, c
     logprob_pass(rt.trainers, seqs, rt.cfg, old=True, reference=True)
     drift = np.mean([np.abs(np.asarray(s.old_logprobs) - np.asarray(s.ref_logprobs)).mean() for s in seqs])
     assert drift > 1e-3  # the reference stayed the base model while the policy moved
+
+
+def test_old_and_reference_logprobs_stay_on_the_ranks(runtime: Runtime, colors_samples: list) -> None:
+    """KL in the reward: each rank computes π_old and the reference for its own share of the
+    update plan and keeps them; only one KL number per sequence reaches the driver, and it is
+    the KL of the logprobs a driver-side pass computes. The update then uses the kept values
+    (its first ratio is π/π_old = 1 on the same weights)."""
+    from mmrl.algorithms.kl import sequence_kl
+    from mmrl.controller.learn import trainer_side_logprobs
+
+    rt = runtime
+    rollout = run_rollout(rt.workers, colors_samples[6:10], SamplingConfig(
+        n=4, max_new_tokens=4, forbidden_token_ids=rt.sampling.forbidden_token_ids))
+    expected = make_sequences(rollout.prompts, rollout.groups)
+    logprob_pass(rt.trainers, expected, rt.cfg, old=True, reference=True)
+    seqs = make_sequences(rollout.prompts, rollout.groups)
+    for s in seqs:  # a behaviour policy far from π: a ratio against it would be far from 1
+        s.behaviour_logprobs = [-5.0] * len(s.behaviour_logprobs)
+    inputs = plan_updates(seqs, world_size=2, micro_batch_size=4)
+    kl = trainer_side_logprobs(rt.trainers, inputs, old=True, reference=True, kl_estimator="k1")
+    assert sorted(kl) == [s.uid for s in seqs] and all(isinstance(v, float) for v in kl.values())
+    assert all(s.old_logprobs is None and s.ref_logprobs is None for s in seqs)  # nothing came back
+    for s in expected:
+        assert abs(kl[s.uid] - sequence_kl(s.old_logprobs, s.ref_logprobs, s.loss_mask, "k1")) <= 1e-4
+    stats = ray.get([t.train_step.remote(x) for t, x in zip(rt.trainers, inputs)])
+    tokens = sum(m["tokens"] for m in stats)
+    assert abs(sum(m["ratio_sum"] for m in stats) / tokens - 1.0) <= 1e-5  # the kept π_old is the policy

@@ -61,7 +61,7 @@ def test_logprob_parity_before_and_after_weight_sync(runtime: Runtime, colors_sa
     rt = runtime
     samples = colors_samples[:8]
     prompts, groups, before = _rollout_and_compare(rt, samples)
-    assert all("image" in p.vllm_input["multi_modal_data"] for p in prompts)
+    assert all("pixel_values" in ray.get(p.ref).mm_inputs for p in prompts)  # image prompts, sent by reference
     assert before.size >= 8 * 4 and before.mean() <= 1e-4, before.mean()
 
     # one real training step with random advantages moves the trainer's weights

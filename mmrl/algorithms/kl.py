@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["kl_estimate", "kl_in_reward", "kl_token_rewards", "KL_KINDS", "FixedKLController",
+__all__ = ["kl_estimate", "sequence_kl", "kl_in_reward", "kl_token_rewards", "KL_KINDS", "FixedKLController",
            "AdaptiveKLController"]
 
 _ALIASES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
@@ -149,3 +149,13 @@ class AdaptiveKLController:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
         return self.value
+
+
+def sequence_kl(logprobs: list[float], ref_logprobs: list[float], mask: list[int], kind: str) -> float:
+    """Σ_t KL_t over one response's trained tokens (KL in the reward, per sequence); the "+"
+    suffix only changes gradients, so it is ignored here."""
+    if not mask:
+        return 0.0
+    kl_1T = kl_estimate(torch.tensor([logprobs], dtype=torch.float32), torch.tensor([ref_logprobs], dtype=torch.float32),
+                        kind.rstrip("+"))
+    return float((kl_1T * torch.tensor([mask], dtype=torch.float32)).sum())

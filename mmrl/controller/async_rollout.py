@@ -31,7 +31,7 @@ import numpy as np
 import ray
 
 from mmrl.data.sample import Sample
-from mmrl.processors import ProcessedPrompt
+from mmrl.processors import PromptRef
 from mmrl.rollout.types import SamplingConfig, Trajectory
 
 # The driver checks the rollout and reward workers this often while it waits for a batch.
@@ -45,7 +45,7 @@ class _Draw:
     index: int  # position in the run's draw order
     sample: Sample
     ref: Any = None  # the rollout worker's GroupOutcome
-    prompt: ProcessedPrompt | None = None
+    prompt: PromptRef | None = None
     group: list[Trajectory] | None = None
     reward: Any = None  # RewardHandle
     scored: bool = False

@@ -14,9 +14,8 @@ import ray
 import torch
 
 from mmrl.algorithms.entropy import entropy_coef_at
-from mmrl.algorithms.kl import kl_estimate
 from mmrl.config.schema import Config
-from mmrl.processors import ProcessedPrompt
+from mmrl.processors import ProcessedPrompt, PromptRef
 from mmrl.rollout.types import Trajectory
 from mmrl.trainer.batch import TrainSequence
 from mmrl.trainer.plan import StepInputs, plan_forward_only, plan_updates
@@ -37,13 +36,17 @@ def needs_reference(cfg: Config) -> bool:
     return cfg.algorithm.kl.coef > 0
 
 
-def make_sequences(prompts: Sequence[ProcessedPrompt], groups: Sequence[Sequence[Trajectory]]) -> list[TrainSequence]:
-    return [TrainSequence.from_prompt(prompts[i], t.response_ids, t.behaviour_logprobs, t.loss_mask)
+def make_sequences(prompts: Sequence[ProcessedPrompt | PromptRef], groups: Sequence[Sequence[Trajectory]]) -> list[TrainSequence]:
+    seqs = [TrainSequence.from_prompt(prompts[i], t.response_ids, t.behaviour_logprobs, t.loss_mask)
             for i, group in enumerate(groups) for t in group]
+    for uid, seq in enumerate(seqs):
+        seq.uid = uid
+    return seqs
 
 
 def logprob_pass(trainers: Sequence[Any], seqs: list[TrainSequence], cfg: Config, *, old: bool, reference: bool) -> None:
-    """Fill `old_logprobs` / `ref_logprobs` of every sequence with one no-grad pass each."""
+    """Fill `old_logprobs` / `ref_logprobs` of every sequence on the driver, with one no-grad pass
+    each (diagnostics and tests; training keeps them on the ranks: `trainer_side_logprobs`)."""
     chunks, order = plan_forward_only(seqs, world_size=len(trainers), micro_batch_size=cfg.trainer.micro_batch_size,
                                       max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch)
     for policy, attr, wanted in (("current", "old_logprobs", old), ("reference", "ref_logprobs", reference)):
@@ -55,15 +58,16 @@ def logprob_pass(trainers: Sequence[Any], seqs: list[TrainSequence], cfg: Config
                 setattr(seqs[i], attr, lp)
 
 
-def sequence_kl_B(seqs: Sequence[TrainSequence], estimator: str) -> torch.Tensor:
-    """Σ_t KL(π_old ‖ π_ref)_t over each response's valid tokens (KL in the reward)."""
-    out = []
-    for s in seqs:
-        old = torch.tensor([s.old_logprobs or s.behaviour_logprobs], dtype=torch.float32)
-        ref = torch.tensor([s.ref_logprobs], dtype=torch.float32)
-        mask = torch.tensor([s.loss_mask], dtype=torch.float32)
-        out.append(float((kl_estimate(old, ref, estimator.rstrip("+")) * mask).sum()) if mask.numel() else 0.0)
-    return torch.tensor(out)
+def trainer_side_logprobs(trainers: Sequence[Any], inputs: Sequence[StepInputs], *, old: bool, reference: bool,
+                          kl_estimator: str | None) -> dict[int, float]:
+    """π_old / reference logprobs computed by each rank for its own share of the update plan and
+    kept there (`TrainerWorker.keep_logprobs`); only the per-sequence KL comes back, when the KL
+    goes into the reward."""
+    policies = [p for p, wanted in (("current", old), ("reference", reference)) if wanted]
+    kl: dict[int, float] = {}
+    for per_rank in ray.get([t.keep_logprobs.remote(x, policies, kl_estimator) for t, x in zip(trainers, inputs)]):
+        kl.update(per_rank)
+    return kl
 
 
 def merge_rank_stats(per_rank: list[dict[str, Any]]) -> dict[str, float]:
@@ -94,31 +98,41 @@ def merge_rank_stats(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def update_policy(trainers: Sequence[Any], cfg: Config, prompts: Sequence[ProcessedPrompt],
+def update_policy(trainers: Sequence[Any], cfg: Config, prompts: Sequence[ProcessedPrompt | PromptRef],
                   groups: Sequence[Sequence[Trajectory]], advantage_fn: Any, spans: StepSpans,
                   step: int) -> dict[str, float]:
-    """Everything after rewards: returns the step's learning metrics."""
+    """Everything after rewards: returns the step's learning metrics. The update plan comes
+    first (it needs lengths only): the ranks recompute π_old / reference logprobs for exactly the
+    sequences they will train on and keep them; the advantages are filled in afterwards."""
     metrics: dict[str, float] = {}
     seqs = make_sequences(prompts, groups)
     rewards_BG = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
     old, reference = needs_old_logprobs(cfg), needs_reference(cfg)
-    if cfg.algorithm.old_logprobs.value == "behaviour":
+    behaviour_is_old = cfg.algorithm.old_logprobs.value == "behaviour"
+    if behaviour_is_old:
         for seq in seqs:
             seq.old_logprobs = list(seq.behaviour_logprobs)
     kl_in_reward = reference and cfg.algorithm.kl.placement.value == "reward"
+    inputs: list[StepInputs] = plan_updates(
+        seqs, world_size=len(trainers), mini_batches=cfg.algorithm.mini_batches, epochs=cfg.algorithm.ppo_epochs,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, loss_agg=cfg.algorithm.loss_agg.value,
+        seed=cfg.run.seed * 1_000_003 + step)
+    kl_by_uid: dict[int, float] = {}
     if old or reference:
         with spans("logprob"):
             # KL in the reward is measured against π_old: recompute it too (unless π_old is μ)
-            logprob_pass(trainers, seqs, cfg, old=old or (kl_in_reward and cfg.algorithm.old_logprobs.value != "behaviour"),
-                         reference=reference)
+            kl_by_uid = trainer_side_logprobs(
+                trainers, inputs, old=old or (kl_in_reward and not behaviour_is_old), reference=reference,
+                kl_estimator=cfg.algorithm.kl.estimator if kl_in_reward else None)
     if kl_in_reward:
-        kl_B = sequence_kl_B(seqs, cfg.algorithm.kl.estimator)
+        kl_B = torch.tensor([kl_by_uid[s.uid] for s in seqs])
         rewards_BG = rewards_BG - cfg.algorithm.kl.coef * kl_B.view(rewards_BG.shape)
         metrics["reward/kl_penalty"] = float(cfg.algorithm.kl.coef * kl_B.mean())
         metrics["actor/kl_sequence"] = float(kl_B.mean())
     advantages_BG = advantage_fn(rewards_BG, **cfg.algorithm.advantage_args)
     for seq, adv in zip(seqs, advantages_BG.flatten().tolist()):
-        seq.advantage = adv
+        seq.advantage = adv  # the same objects the plan holds
     metrics["rollout/groups_all_same_reward"] = float((rewards_BG == rewards_BG[:, :1]).all(1).float().mean())
     metrics["actor/advantage_abs_mean"] = float(advantages_BG.abs().mean())
     schedule = cfg.algorithm.entropy_schedule
@@ -126,11 +140,6 @@ def update_policy(trainers: Sequence[Any], cfg: Config, prompts: Sequence[Proces
                                    schedule.steps, schedule.end_coef)
     metrics["actor/entropy_coef"] = entropy_coef
     with spans("train"):
-        inputs: list[StepInputs] = plan_updates(
-            seqs, world_size=len(trainers), mini_batches=cfg.algorithm.mini_batches, epochs=cfg.algorithm.ppo_epochs,
-            micro_batch_size=cfg.trainer.micro_batch_size,
-            max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, loss_agg=cfg.algorithm.loss_agg.value,
-            seed=cfg.run.seed * 1_000_003 + step)
         per_rank = ray.get([t.train_step.remote(dataclasses.replace(x, entropy_coef=entropy_coef))
                             for t, x in zip(trainers, inputs)])
     metrics.update(merge_rank_stats(per_rank))

@@ -23,7 +23,7 @@ from mmrl.controller.placement import placement_plan
 from mmrl.data.sample import Sample
 from mmrl.controller.prompts import SampleBatches
 from mmrl.controller.rollout import EngineMonitor, rollout_and_score_groups, run_rollout
-from mmrl.processors import ProcessedPrompt, build_processor
+from mmrl.processors import PromptRef, build_processor
 from mmrl.rewards.workers import RewardPool
 from mmrl.rollout.engine import RolloutEngine, engine_kwargs
 from mmrl.rollout.trainer_engine import TrainerRolloutEngine
@@ -166,7 +166,7 @@ def evaluate(rt: Runtime, heldout: list[Sample]) -> dict[str, float]:
     A held-out sample the processor refuses is left out (and logged once)."""
     greedy = SamplingConfig(n=1, max_new_tokens=rt.sampling.max_new_tokens, temperature=1.0,
                             forbidden_token_ids=rt.sampling.forbidden_token_ids, greedy=True)
-    rollout = run_rollout(rt.workers, heldout, greedy, cache_prompts=True, on_failure=_warn_heldout_failure)
+    rollout = run_rollout(rt.workers, heldout, greedy, evaluation=True, on_failure=_warn_heldout_failure)
     samples, groups = rollout.samples, rollout.groups
     rt.rewards.score(samples, groups, decode=rt.processor.decode, on_error="zero")
     correct = [g[0].reward >= rt.cfg.eval.threshold for g in groups]
@@ -202,7 +202,7 @@ def step_seed(*parts: int) -> int:
 
 
 def rollout_and_score(rt: Runtime, samples: list[Sample], spans: StepSpans,
-                      batches: SampleBatches | None = None) -> tuple[list[ProcessedPrompt], list[list[Trajectory]],
+                      batches: SampleBatches | None = None) -> tuple[list[PromptRef], list[list[Trajectory]],
                                                                       list[Sample], dict[str, float]]:
     """Roll out a batch of samples and score the groups. Returns the prompts, groups and samples
     that take part in the update (a group whose reward failed under on_error=drop_group does
@@ -254,13 +254,13 @@ def run_step(rt: Runtime, samples: list[Sample], advantage_fn: Any, spans: StepS
 
 
 def _dynamic_sampling(rt: Runtime, samples: list[Sample], spans: StepSpans, batches: SampleBatches | None,
-                      ) -> tuple[list[ProcessedPrompt], list[list[Trajectory]], list[Sample], dict[str, float]]:
+                      ) -> tuple[list[PromptRef], list[list[Trajectory]], list[Sample], dict[str, float]]:
     """DAPO: keep only groups whose rewards differ; roll out further batches until
     rollout.prompts_per_step groups are kept or dynamic_sampling.max_rounds is reached."""
     from mmrl.algorithms.dynamic_sampling import informative_groups
 
     target = rt.cfg.rollout.prompts_per_step
-    kept_prompts: list[ProcessedPrompt] = []
+    kept_prompts: list[PromptRef] = []
     kept_groups: list[list[Trajectory]] = []
     used: list[Sample] = []
     first_metrics: dict[str, float] = {}

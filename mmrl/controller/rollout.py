@@ -17,7 +17,7 @@ import ray
 
 from mmrl.data.quarantine import BadSample
 from mmrl.data.sample import Sample
-from mmrl.processors import ProcessedPrompt
+from mmrl.processors import PromptRef
 from mmrl.rewards.streaming import RewardStream
 from mmrl.rollout.types import SamplingConfig, Trajectory
 from mmrl.utils.timing import StepSpans
@@ -25,10 +25,10 @@ from mmrl.utils.timing import StepSpans
 
 @dataclass
 class Rollout:
-    """A finished rollout: per slot the sample, its processed prompt and its group."""
+    """A finished rollout: per slot the sample, its prompt (the trainer side, by reference) and its group."""
 
     samples: list[Sample]
-    prompts: list[ProcessedPrompt]
+    prompts: list[PromptRef]
     groups: list[list[Trajectory]]
     failures: list[BadSample]
 
@@ -37,13 +37,14 @@ def run_rollout(workers: Any, samples: list[Sample], sampling: SamplingConfig, *
                 on_group: Callable[[int, Sample, list[Trajectory]], None] | None = None,
                 refill: Callable[[], Sample] | None = None,
                 on_failure: Callable[[BadSample], None] | None = None,
-                cache_prompts: bool = False) -> Rollout:
+                evaluation: bool = False) -> Rollout:
     """Roll out one group per sample. `on_group(slot, sample, group)` is called as each group
     finishes; a refused sample is reported to `on_failure` and, with `refill`, replaced by
-    `refill()` in the same slot (without: its slot is dropped from the result)."""
+    `refill()` in the same slot (without: its slot is dropped from the result). `evaluation`:
+    prompts cached in the workers, no trainer inputs (`Rollout.prompts` are None)."""
     samples = list(samples)
-    pending = {workers.submit(s, slot, sampling, cache_prompts): slot for slot, s in enumerate(samples)}
-    prompts: list[ProcessedPrompt | None] = [None] * len(samples)
+    pending = {workers.submit(s, slot, sampling, evaluation): slot for slot, s in enumerate(samples)}
+    prompts: list[PromptRef | None] = [None] * len(samples)
     groups: list[list[Trajectory] | None] = [None] * len(samples)
     failures: list[BadSample] = []
     while pending:
@@ -57,7 +58,7 @@ def run_rollout(workers: Any, samples: list[Sample], sampling: SamplingConfig, *
                     on_failure(out.failure)
                 if refill is not None:
                     samples[slot] = refill()
-                    pending[workers.submit(samples[slot], slot, sampling, cache_prompts)] = slot
+                    pending[workers.submit(samples[slot], slot, sampling, evaluation)] = slot
                 continue
             prompts[slot], groups[slot] = out.prompt, out.trajectories
             if on_group is not None:

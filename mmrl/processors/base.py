@@ -44,6 +44,18 @@ class ProcessedPrompt:
         return len(self.prompt_ids)
 
 
+@dataclass
+class PromptRef:
+    """A processed prompt whose trainer side (ids, positions, vision tensors) stays in the object
+    store of the rollout worker that made it: the driver plans with `num_tokens` and hands the
+    reference on; each trainer rank fetches the tensors itself (`trainer.batch.resolve_prompts`).
+    The pixels never pass through the driver."""
+
+    key: str
+    num_tokens: int
+    ref: Any  # ray.ObjectRef of a ProcessedPrompt without its engine input
+
+
 # model_type (from the model's config.json) -> registered processor name
 FAMILIES: dict[str, str] = {
     "qwen2_vl": "qwen_vl",

@@ -4,7 +4,9 @@ A worker owns a processor and a router over the engines. `rollout_group(sample, 
 processes the sample once, then runs `sampling.n` agent loops on it at once (one trajectory
 each) and returns the group. The driver only hands out samples and collects groups:
 `RolloutWorkers.submit` spreads groups over the workers (fewest groups outstanding) and returns
-a Ray reference per group, which the controller waits on (controller/rollout.py).
+a Ray reference per group, which the controller waits on (controller/rollout.py). The trainer
+side of the processed prompt (pixel tensors included) stays in this worker's object store: the
+outcome carries a `PromptRef`, which the trainer ranks resolve themselves.
 
 A sample the processor refuses costs that sample only: the group comes back as a `BadSample`
 (reason `prompt_rejected` or `processor_error`), which the driver quarantines and replaces.
@@ -14,6 +16,7 @@ loop's name, the sample key and the original error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,7 +26,7 @@ import ray
 
 from mmrl.data.quarantine import BadSample
 from mmrl.data.sample import Sample
-from mmrl.processors.base import ProcessedPrompt, process_sample
+from mmrl.processors.base import ProcessedPrompt, PromptRef, process_sample
 from mmrl.rollout.agent_loops import AgentContext
 from mmrl.rollout.client import Router
 from mmrl.rollout.types import SamplingConfig, Trajectory
@@ -38,7 +41,7 @@ class GroupOutcome:
 
     slot: int  # the prompt's position in the step's batch
     key: str
-    prompt: ProcessedPrompt | None = None
+    prompt: PromptRef | None = None  # None for evaluation rollouts (nothing to train on)
     trajectories: list[Trajectory] = field(default_factory=list)
     failure: BadSample | None = None
     worker: int = 0
@@ -83,14 +86,18 @@ class RolloutWorker:
         return prompt
 
     async def rollout_group(self, sample: Sample, slot: int, sampling: SamplingConfig,
-                            cache_prompt: bool = False) -> GroupOutcome:
+                            evaluation: bool = False) -> GroupOutcome:
+        """One group; `evaluation`: the processed prompt is cached (held-out samples come back
+        every evaluation) and no trainer input is kept."""
         assert self.router is not None, "call ready() first"
-        prompt = self._process(sample, cache_prompt)
+        prompt = self._process(sample, evaluation)
         if isinstance(prompt, BadSample):
             return GroupOutcome(slot, sample.key, failure=prompt, worker=self.index)
         trajectories = await asyncio.gather(*[self._trajectory(sample, prompt, slot, j, sampling)
                                                for j in range(sampling.n)])
-        return GroupOutcome(slot, sample.key, prompt=prompt, trajectories=list(trajectories), worker=self.index)
+        ref = None if evaluation else PromptRef(
+            sample.key, prompt.num_tokens, ray.put(dataclasses.replace(prompt, vllm_input={})))
+        return GroupOutcome(slot, sample.key, prompt=ref, trajectories=list(trajectories), worker=self.index)
 
     async def _trajectory(self, sample: Sample, prompt: ProcessedPrompt, slot: int, member: int,
                           sampling: SamplingConfig) -> Trajectory:
@@ -145,10 +152,10 @@ class RolloutWorkers:
     def ready(self) -> list[int]:
         return ray.get([a.ready.remote() for a in self.actors])
 
-    def submit(self, sample: Sample, slot: int, sampling: SamplingConfig, cache_prompt: bool = False) -> Any:
+    def submit(self, sample: Sample, slot: int, sampling: SamplingConfig, evaluation: bool = False) -> Any:
         """Queue one group; returns its ObjectRef (a `GroupOutcome`)."""
         w = min(range(len(self.actors)), key=lambda i: (self._outstanding[i], i))
-        ref = self.actors[w].rollout_group.remote(sample, slot, sampling, cache_prompt)
+        ref = self.actors[w].rollout_group.remote(sample, slot, sampling, evaluation)
         self._outstanding[w] += 1
         self._worker_of[ref] = w
         return ref

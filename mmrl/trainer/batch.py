@@ -8,18 +8,19 @@ response columns to vocabulary logits (`logits_to_keep`), which keeps the logits
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from mmrl.algorithms.losses import entropy_from_logprobs
-from mmrl.processors.base import ProcessedPrompt
+from mmrl.processors.base import ProcessedPrompt, PromptRef
 
 
 @dataclass
 class TrainSequence:
     """One prompt + one response, with everything the loss needs. Small and picklable: it is
-    what crosses the process boundary from the controller to a trainer rank."""
+    what crosses the process boundary from the controller to a trainer rank. A prompt sent by
+    reference (`prompt_ref`) has empty prompt fields until `resolve_prompts` fills them on the rank."""
 
     prompt_ids: list[int]
     position_ids_3P: torch.Tensor
@@ -34,18 +35,48 @@ class TrainSequence:
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
     extras: dict[str, float] = field(default_factory=dict)
+    prompt_ref: PromptRef | None = None
+    uid: int = -1  # names the sequence to the trainer ranks (logprobs they keep for it)
+
+    @property
+    def prompt_length(self) -> int:
+        """Prompt tokens (vision placeholder tokens included), known before the prompt is resolved."""
+        return self.prompt_ref.num_tokens if self.prompt_ref is not None else len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
-        """Rows of the forward: prompt (vision placeholder tokens included) + response."""
-        return len(self.prompt_ids) + len(self.response_ids)
+        """Rows of the forward: prompt + response."""
+        return self.prompt_length + len(self.response_ids)
 
     @classmethod
-    def from_prompt(cls, prompt: ProcessedPrompt, response_ids: list[int], behaviour_logprobs: list[float],
+    def from_prompt(cls, prompt: ProcessedPrompt | PromptRef, response_ids: list[int], behaviour_logprobs: list[float],
                     loss_mask: list[int], advantage: float = 0.0) -> "TrainSequence":
+        if isinstance(prompt, PromptRef):
+            return cls(prompt_ids=[], position_ids_3P=torch.zeros((3, 0), dtype=torch.long), next_position=0,
+                       mm_inputs={}, response_ids=response_ids, behaviour_logprobs=behaviour_logprobs,
+                       loss_mask=loss_mask, advantage=advantage, prompt_ref=prompt)
         return cls(prompt_ids=prompt.prompt_ids, position_ids_3P=prompt.position_ids_3P,
                    next_position=prompt.next_position, mm_inputs=prompt.mm_inputs, response_ids=response_ids,
                    behaviour_logprobs=behaviour_logprobs, loss_mask=loss_mask, advantage=advantage)
+
+
+def resolve_prompts(seqs: Sequence[TrainSequence]) -> None:
+    """Fetch the prompts sent by reference (one fetch per distinct prompt: a group's sequences
+    share it) and fill their fields; on the trainer rank, before the forward."""
+    pending = [s for s in seqs if s.prompt_ref is not None and not s.prompt_ids]
+    if not pending:
+        return
+    import ray
+
+    refs: dict[Any, Any] = {}
+    for s in pending:
+        refs.setdefault(s.prompt_ref.ref, None)  # type: ignore[union-attr]
+    for ref, prompt in zip(refs, ray.get(list(refs))):
+        refs[ref] = prompt
+    for s in pending:
+        p = refs[s.prompt_ref.ref]  # type: ignore[union-attr]
+        s.prompt_ids, s.position_ids_3P, s.next_position, s.mm_inputs = \
+            p.prompt_ids, p.position_ids_3P, p.next_position, p.mm_inputs
 
 
 @dataclass

@@ -49,7 +49,7 @@ def padded_tokens(seqs: Sequence[TrainSequence]) -> int:
     are left-padded and responses right-padded to those lengths (trainer.batch.collate)."""
     if not seqs:
         return 0
-    return len(seqs) * (max(len(s.prompt_ids) for s in seqs) + max(len(s.response_ids) for s in seqs))
+    return len(seqs) * (max(s.prompt_length for s in seqs) + max(len(s.response_ids) for s in seqs))
 
 
 def pack_micro_batches(seqs: Sequence[TrainSequence], *, max_rows: int,
@@ -59,7 +59,7 @@ def pack_micro_batches(seqs: Sequence[TrainSequence], *, max_rows: int,
     tokens. A single sequence over the budget still gets a micro-batch of its own."""
     if max_rows < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {max_rows}")
-    order = sorted(seqs, key=lambda s: (len(s.prompt_ids), len(s.response_ids)), reverse=True)
+    order = sorted(seqs, key=lambda s: (s.prompt_length, len(s.response_ids)), reverse=True)
     bins: list[list[TrainSequence]] = []
     for seq in order:
         if bins and len(bins[-1]) < max_rows and (

@@ -20,7 +20,7 @@ import numpy as np
 import ray
 import torch
 
-from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
+from mmrl.trainer.batch import TrainSequence, collate, resolve_prompts, sampling_logprobs
 from mmrl.trainer.deepspeed_config import build_deepspeed_config
 from mmrl.trainer.generate import GenerationRequest
 from mmrl.trainer.plan import StepInputs, filler_for
@@ -68,6 +68,9 @@ class TrainerWorker:
         # nothing a user can act on, and Ray repeats the warning on the console every step.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         self.engine: Any = None
+        # sequence uid -> {"old_logprobs": [...], "ref_logprobs": [...]}: computed by keep_logprobs
+        # for this rank's share of the next update, consumed by train_step
+        self._kept: dict[int, dict[str, list[float]]] = {}
 
     def setup(self) -> dict[str, Any]:
         import deepspeed
@@ -173,6 +176,7 @@ class TrainerWorker:
         are fillers). policy="current" (π_old recompute, parity checks) or "reference" (KL).
         Collective: every rank calls it with the same number of micro-batches."""
         engine, context = (self.engine, nullcontext()) if policy == "current" else self._reference()
+        resolve_prompts([s for chunk in micro_batches for s in chunk])
         fallback = next(s for chunk in micro_batches for s in chunk)
         result: list[list[float]] = []
         with context:
@@ -182,6 +186,29 @@ class TrainerWorker:
                 if not is_filler:
                     result += [logprobs_BT[i, :len(s.response_ids)].tolist() for i, s in enumerate(run)]
         return result
+
+    def keep_logprobs(self, inputs: StepInputs, policies: list[str], kl_estimator: str | None = None) -> dict[int, float]:
+        """π_old ("current") and/or reference logprobs of the sequences this rank trains on next
+        (its share of the update's own plan, `inputs`), kept here for `train_step`: they never
+        leave the trainer. With `kl_estimator` (KL in the reward) returns Σ_t KL(π_old‖π_ref)
+        per sequence uid, π_old being the behaviour logprobs when it is not recomputed. Collective:
+        every rank's plan has the same number of micro-batches."""
+        from mmrl.algorithms.kl import sequence_kl
+
+        chunks = [chunk for mini in inputs.mini_batches for chunk in mini.micro_batches]
+        seqs = [s for chunk in chunks for s in chunk]
+        for policy in policies:
+            attr = "old_logprobs" if policy == "current" else "ref_logprobs"
+            for seq, values in zip(seqs, self.compute_logprobs(chunks, policy)):
+                self._kept.setdefault(seq.uid, {})[attr] = values
+        if kl_estimator is None:
+            return {}
+        kl = {}
+        for s in seqs:
+            kept = self._kept[s.uid]
+            old = kept.get("old_logprobs", s.old_logprobs or s.behaviour_logprobs)
+            kl[s.uid] = sequence_kl(old, kept["ref_logprobs"], s.loss_mask, kl_estimator)
+        return kl
 
     # ---- sampling (rollout.backend: trainer) ------------------------------------------------------
     @torch.no_grad()
@@ -237,6 +264,13 @@ class TrainerWorker:
         max_diff, max_ratio, min_ratio = 0.0, 1.0, 1.0
         grad_norms: list[float] = []
         skipped = 0
+        seqs = [s for mini in inputs.mini_batches for chunk in mini.micro_batches for s in chunk]
+        resolve_prompts(seqs)
+        for s in seqs:  # the logprobs keep_logprobs computed for this update
+            kept = self._kept.get(s.uid, {})
+            s.old_logprobs = kept.get("old_logprobs", s.old_logprobs)
+            s.ref_logprobs = kept.get("ref_logprobs", s.ref_logprobs)
+        self._kept.clear()
         fallback = next(s for mini in inputs.mini_batches for chunk in mini.micro_batches for s in chunk)
         for _ in range(inputs.epochs):
             for mini in inputs.mini_batches:
