@@ -6,7 +6,7 @@ without the off-policy correction, against sync; held-out accuracy against steps
 Each run is the real `mmrl train configs/colors_demo.yaml` (colors_learning.py's runner) with
   sync:                 rollout.mode=sync (the reference)
   k, corrected:         rollout.mode=async rollout.max_staleness=k, the decoupled objective: PPO clip
-                        on pi/pi_prox (pi_prox recomputed by the trainer) times the TIS weight pi_prox/mu
+                        on pi/pi_prox (pi_prox: the policy before the update) times the TIS weight pi_prox/mu
   k, uncorrected:       rollout.mode=async rollout.max_staleness=k algorithm.old_logprobs=behaviour
                         algorithm.rollout_correction.mode=none: the PPO ratio against the stale
                         behaviour policy mu itself, what a naive async loop does
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from colors_learning import REPO, run_seed  # noqa: E402
 
-CORRECTED = ["algorithm.old_logprobs=recompute", "algorithm.rollout_correction.mode=tis"]
+CORRECTED = ["algorithm.old_logprobs=auto", "algorithm.rollout_correction.mode=tis"]
 UNCORRECTED = ["algorithm.old_logprobs=behaviour", "algorithm.rollout_correction.mode=none"]
 
 

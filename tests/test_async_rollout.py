@@ -186,8 +186,9 @@ def test_kill_9_during_an_async_run_loses_and_duplicates_no_sample(tiny_model_di
 
 
 def test_which_runs_recompute_old_logprobs(tiny_model_dir: Path) -> None:
-    """algorithm.old_logprobs: auto recomputes π_old when it differs from the trained policy (several
-    updates per batch) and, in async runs, as π_prox of the decoupled objective; behaviour never."""
+    """algorithm.old_logprobs: auto recomputes π_old when it differs from the policy the update
+    starts from (several updates per batch); with one update, also in async runs, π_old (π_prox)
+    is the update's own forward; behaviour never recomputes."""
     from mmrl.config import load_config
     from mmrl.controller.learn import needs_old_logprobs
 
@@ -195,6 +196,7 @@ def test_which_runs_recompute_old_logprobs(tiny_model_dir: Path) -> None:
         return needs_old_logprobs(load_config(str(REPO / "configs" / "colors_demo.yaml"),
                                               [f"model.path={tiny_model_dir}", *overrides], check_files=False))
 
-    assert not needs() and needs("algorithm.ppo_epochs=2") and needs("rollout.mode=async")
+    assert not needs() and needs("algorithm.ppo_epochs=2") and not needs("rollout.mode=async")
+    assert needs("rollout.mode=async", "algorithm.mini_batches=2")
     assert needs("algorithm.old_logprobs=recompute")
     assert not needs("rollout.mode=async", "algorithm.old_logprobs=behaviour")

@@ -260,9 +260,10 @@ class EntropyScheduleConfig:
 
 
 class OldLogprobs(str, Enum):
-    # recompute pi_old on the trainer when it differs from the trained policy: several updates
-    # per batch, or an async run (there it is the proximal policy of the decoupled objective:
-    # PPO clips pi/pi_prox, the rollout correction weighs pi_prox/mu)
+    # recompute pi_old on the trainer when it differs from the policy the update starts from:
+    # several updates per batch. In an async run pi_old is the proximal policy of the decoupled
+    # objective (PPO clips pi/pi_prox, the rollout correction weighs pi_prox/mu); with one update
+    # per batch pi_prox IS the current policy, taken from the update's own forward (no pass).
     auto = "auto"
     recompute = "recompute"  # always (one extra no-grad pass per step)
     # never: the engines' behaviour logprobs mu are pi_old (the ratio is pi/mu, clipped; the

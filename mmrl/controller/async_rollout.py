@@ -205,7 +205,7 @@ class AsyncRollout:
 def run_async_step(rt: Any, window: AsyncRollout, advantage_fn: Any, spans: Any,
                    step: int) -> tuple[dict[str, float], list[Sample]]:
     """One training step of an async run: take a batch from the window (generation goes on),
-    update (decoupled objective: π_prox recomputed on the trainer, see learn.py), sync weights
+    update (decoupled objective with π_prox the policy before the update, see learn.py), sync weights
     into the running engines."""
     from mmrl.controller.learn import update_policy
     from mmrl.rewards.report import RewardReport

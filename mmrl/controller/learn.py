@@ -24,12 +24,15 @@ from mmrl.utils.timing import StepSpans
 
 def needs_old_logprobs(cfg: Config) -> bool:
     """π_old differs from the policy being trained once a batch gets more than one update. In an
-    async run it is the proximal policy π_prox of the decoupled objective: the PPO ratio is
-    π/π_prox, and the rollout correction weighs π_prox/μ (μ: the engines' stale behaviour)."""
+    async run it is the proximal policy π_prox of the decoupled objective (the PPO ratio is
+    π/π_prox, the rollout correction weighs π_prox/μ, μ being the engines' stale behaviour);
+    π_prox is the policy before the batch's first update, so with ONE update per batch it is
+    the current policy itself, which the update's own forward gives, detached
+    (`micro_batch_loss` with no old logprobs): a recompute pass would produce the same numbers."""
     mode = cfg.algorithm.old_logprobs.value
     if mode != "auto":
         return mode == "recompute"
-    return cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches > 1 or cfg.rollout.mode.value == "async"
+    return cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches > 1
 
 
 def needs_reference(cfg: Config) -> bool:
