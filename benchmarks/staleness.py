@@ -32,7 +32,9 @@ def runs(ks: list[int]) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = [("sync", ["rollout.mode=sync"])]
     for k in ks:
         base = ["rollout.mode=async", f"rollout.max_staleness={k}"]
-        out += [(f"k={k} corrected", base + CORRECTED), (f"k={k} uncorrected", base + UNCORRECTED)]
+        out.append((f"k={k} corrected", base + CORRECTED))
+        if k > 0:  # at k=0 every token is the current policy's: nothing stale to correct
+            out.append((f"k={k} uncorrected", base + UNCORRECTED))
     return out
 
 
