@@ -9,6 +9,7 @@ describes (forbidden-token bias, temperature; then top-p), each request with its
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -98,11 +99,7 @@ def sample_responses(forward: Callable[..., Any], requests: Sequence[GenerationR
     out_ = [Generated() for _ in requests]
     done = [r.filler or r.sampling.max_tokens <= 0 for r in requests]
     next_pos = torch.tensor([r.next_position for r in requests])
-    context = prefill_context(mm) if prefill_context is not None else None
-    if context is not None:
-        with context:
-            out = forward(**inputs, use_cache=True, logits_to_keep=1)
-    else:
+    with prefill_context(mm) if prefill_context is not None else nullcontext():
         out = forward(**inputs, use_cache=True, logits_to_keep=1)
     step = 0
     while True:
