@@ -27,6 +27,8 @@ KINDS: dict[str, str] = {
     "advantage": "mmrl.algorithms.advantages",
     "policy_loss": "mmrl.algorithms.losses",
     "dataset": "mmrl.data.recipes",
+    "tool": "mmrl.tools",
+    "tool_parser": "mmrl.tools.parsers",
 }
 ENTRY_POINT_PREFIX = "mmrl."
 
