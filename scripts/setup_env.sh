@@ -12,7 +12,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 STAMP="$VENV/.mmrl-setup-v1"
 
-if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import mmrl, vllm, deepspeed, ray, webdataset, math_verify" 2>/dev/null; then
+if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import mmrl, vllm, deepspeed, ray, webdataset, math_verify, bm25s" 2>/dev/null; then
   touch "$STAMP"  # verified: newer than pyproject.toml again, so make does not rerun this every time
   exit 0
 fi
