@@ -28,7 +28,9 @@ def runtime(tiny_model_dir: Path, colors_dir: Path, tmp_path_factory: pytest.Tem
     cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"), [
         f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-000000.tar",
         f"data.heldout_shards={colors_dir}/heldout-000000.tar",
-        f"run.output_dir={tmp_path_factory.mktemp('parity_run')}", "trainer.lr=0.02", "rollout.max_new_tokens=8"])
+        f"run.output_dir={tmp_path_factory.mktemp('parity_run')}", "trainer.lr=0.02", "rollout.max_new_tokens=8",
+        # room for an image a tool returns in a later turn (the multi-turn test)
+        "rollout.engine_args.limit_mm_per_prompt={image: 2, video: 0}"])
     rt = start_runtime(cfg)
     yield rt
     rt.close()
@@ -133,3 +135,43 @@ def test_nonfinite_loss_skips_the_update_and_training_goes_on(runtime: Runtime, 
     assert stats[0]["skipped_updates"] == 0 and np.isfinite(stats[0]["grad_norms"][0])
     moved = ray.get([t.full_state_dict.remote() for t in rt.trainers])[0]
     assert any(not torch.equal(before[k], moved[k]) for k in before)
+
+
+def test_multi_turn_parity_with_an_image_returned_by_a_tool(runtime: Runtime, colors_samples: list) -> None:
+    """Turn 1, then a tool turn that shows a zoomed crop (a new image), then turn 2: engine
+    logprobs against the trainer's over every model token of both turns, fp32. Needs the crop's
+    vision block expanded at the right place, M-RoPE positions that continue across it, the
+    crop's pixels in the trainer's batch, and a loss mask that covers only the model's tokens."""
+    from mmrl.rollout.workers import RolloutWorkers
+
+    rt = runtime
+    args = {"parser": f"{REPO}/tests/_tool_parsers.py:zoom_every_turn", "max_turns": 2,
+            "tools": [{"name": "image_zoom", "args": {"upscale_to": 56}}]}
+    workers = RolloutWorkers(1, rt.engines, {"name": "auto", "model_path": rt.cfg.model.path}, "multi_turn", args)
+    try:
+        workers.ready()
+        sampling = SamplingConfig(n=2, max_new_tokens=4, temperature=1.0, seed=3,
+                                  forbidden_token_ids=rt.sampling.forbidden_token_ids)
+        rollout = run_rollout(workers, colors_samples[:4], sampling)
+    finally:
+        workers.close()
+    image_pad = rt.processor.image_token_id
+    seqs = make_sequences(rollout.prompts, rollout.groups)
+    for t, seq in zip([t for g in rollout.groups for t in g], seqs):
+        assert t.stats["turns"] == 2 and t.stats["tool_calls"] == 1 and t.stats["tool_images"] == 1
+        assert t.transcript[1]["role"] == "tool" and t.transcript[1]["images"] == 1
+        assert t.response_inputs is not None
+        mask = np.asarray(t.loss_mask)
+        ids = np.asarray(t.response_ids)
+        # the 56x56 crop is a 4x4 patch grid merged 2x2: 4 vision tokens, none of them trained on
+        assert (ids == image_pad).sum() == 4 and not mask[ids == image_pad].any()
+        # model tokens: turn 1 first, turn 2 last, the tool turn (mask 0) between them
+        assert mask[:4].all() and mask[-4:].all() and mask.sum() == 8
+        assert all(v == rt.weight_version for v, m in zip(t.token_versions, t.loss_mask) if m)
+    chunks, order = plan_forward_only(seqs, world_size=len(rt.trainers), micro_batch_size=8)
+    per_rank = ray.get([tr.compute_logprobs.remote(c) for tr, c in zip(rt.trainers, chunks)])
+    trainer_lps = {i: lp for idx, rank in zip(order, per_rank) for i, lp in zip(idx, rank)}
+    diffs = np.concatenate([np.abs(np.asarray(trainer_lps[i]) - np.asarray(s.behaviour_logprobs))[np.asarray(s.loss_mask) == 1]
+                            for i, s in enumerate(seqs)])
+    assert diffs.size == 8 * len(seqs) and diffs.mean() <= 1e-4, diffs.mean()
+    print(f"multi-turn parity mean|d| {diffs.mean():.2e} over {diffs.size} model tokens")

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from mmrl.controller.metrics import rollout_metrics
 from mmrl.data.sample import Sample
 from mmrl.processors import PromptRef
 from mmrl.rollout.types import SamplingConfig, Trajectory
@@ -215,7 +216,7 @@ def run_async_step(rt: Any, window: AsyncRollout, advantage_fn: Any, spans: Any,
         batch, metrics = window.take(cfg.rollout.prompts_per_step, rt.weight_version)
     groups = [d.group for d in batch]
     metrics.update(RewardReport.from_results([d.result for d in batch]).metrics())
-    metrics["rollout/response_length"] = float(np.mean([len(t.response_ids) for g in groups for t in g]))
+    metrics.update(rollout_metrics(groups))
     metrics.update(update_policy(rt.trainers, cfg, [d.prompt for d in batch], groups, advantage_fn, spans, step))
     with spans("weight_sync"):
         sync = rt.push_weights()

@@ -19,6 +19,7 @@ import torch
 from mmrl.config.load import to_yaml
 from mmrl.config.schema import Config
 from mmrl.controller.learn import needs_reference, update_policy
+from mmrl.controller.metrics import rollout_metrics
 from mmrl.controller.placement import placement_plan
 from mmrl.data.sample import Sample
 from mmrl.controller.prompts import SampleBatches
@@ -217,9 +218,8 @@ def rollout_and_score(rt: Runtime, samples: list[Sample], spans: StepSpans,
     if batches is not None and rollout.groups:
         batches.record_success()
     metrics = report.metrics()
-    lengths = [len(t.response_ids) for g in rollout.groups for t in g]
     keep = report.keep
-    metrics["rollout/response_length"] = float(np.mean(lengths)) if lengths else 0.0
+    metrics.update(rollout_metrics(rollout.groups))
     return ([p for p, k in zip(rollout.prompts, keep) if k], [g for g, k in zip(rollout.groups, keep) if k],
             rollout.samples, metrics)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from tqdm import tqdm
 
@@ -53,3 +53,20 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
+
+
+def rollout_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
+    """Per-step means over the trained trajectories: response length, and for multi-turn loops
+    their counters (`agent/turns`, `agent/tool_calls`, `agent/tool_errors`, ...) and the share
+    of trajectories that ended on each finish reason of a tool episode."""
+    trajectories = [t for g in groups for t in g]
+    if not trajectories:
+        return {}
+    out = {"rollout/response_length": float(sum(len(t.response_ids) for t in trajectories) / len(trajectories))}
+    keys = sorted({k for t in trajectories for k in t.stats})
+    for k in keys:
+        out[f"agent/{k}"] = float(sum(t.stats.get(k, 0.0) for t in trajectories) / len(trajectories))
+    if keys:
+        for reason in ("done", "stop", "length"):
+            out[f"agent/finished_{reason}"] = sum(t.finish_reason == reason for t in trajectories) / len(trajectories)
+    return out

@@ -179,18 +179,26 @@ class QwenVLProcessor:
                                mm_inputs=mm_inputs)
 
     def expand(self, vllm_input: dict[str, Any]) -> ProcessedPrompt:
+        """See `expand_traced`; only the trainer prompt."""
+        return self.expand_traced(vllm_input)[0]
+
+    def expand_traced(self, vllm_input: dict[str, Any]) -> tuple[ProcessedPrompt, list[int]]:
         """The trainer's view of an engine prompt: `vllm_input` (token ids with one pad per
         image/video, the raw media) with every vision block expanded, the vision tensors and the
         M-RoPE positions. For a prompt made by `__call__` it is that call's trainer side exactly
         (tests/test_processor.py); it also takes what an agent loop builds from one (the prompt
         plus earlier turns), which is how `rollout.backend: trainer` sees the engines' inputs.
         Each medium is processed alone (the HF processor treats media independently), and its
-        `<|vision_start|><|pad|><|vision_end|>` triple is replaced by the processor's expansion."""
+        `<|vision_start|><|pad|><|vision_end|>` triple is replaced by the processor's expansion.
+        Also returns, per trainer token, the index of the engine token it stands for (a vision
+        block's tokens all point at its pad): how a multi-turn trajectory's loss mask and
+        logprobs, kept per engine token, are laid over the trainer's tokens."""
         ids = list(vllm_input["prompt_token_ids"])
         media = vllm_input.get("multi_modal_data") or {}
         images, videos = iter(_as_list(media.get("image"))), iter(_as_list(media.get("video")))
         start, end = (self.tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
         out_ids: list[int] = []
+        source: list[int] = []
         types: list[int] = []
         parts: dict[str, list[torch.Tensor]] = {}
         i = 0
@@ -198,12 +206,14 @@ class QwenVLProcessor:
             tok = ids[i]
             if tok not in (self.image_token_id, self.video_token_id):
                 out_ids.append(tok)
+                source.append(i)
                 types.append(0)
                 i += 1
                 continue
             if not (out_ids and out_ids[-1] == start and i + 1 < len(ids) and ids[i + 1] == end):
                 raise PromptRejected(f"vision pad at position {i} is not inside <|vision_start|>...<|vision_end|>")
             out_ids.pop()
+            source.pop()
             types.pop()
             snippet = "<|vision_start|>" + ("<|image_pad|>" if tok == self.image_token_id else "<|video_pad|>") + \
                 "<|vision_end|>"
@@ -219,6 +229,7 @@ class QwenVLProcessor:
                 raise PromptRejected("the prompt has more vision pads than multi_modal_data has media") from None
             enc = self.hf(text=[snippet], return_tensors="pt", **kwargs)
             out_ids += enc["input_ids"][0].tolist()
+            source += [i] * (len(out_ids) - len(source))
             types += enc["mm_token_type_ids"][0].tolist()
             for k in MM_KEYS:
                 if k in enc:
@@ -229,7 +240,7 @@ class QwenVLProcessor:
         mm_inputs = {k: torch.cat(v) for k, v in parts.items()}
         positions_3P = self._rope_index(torch.tensor([out_ids]), torch.tensor([types]), **mm_inputs)
         return ProcessedPrompt(key="", vllm_input=vllm_input, prompt_ids=out_ids, position_ids_3P=positions_3P,
-                               next_position=int(positions_3P.max()) + 1, mm_inputs=mm_inputs)
+                               next_position=int(positions_3P.max()) + 1, mm_inputs=mm_inputs), source
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -6,7 +6,7 @@ A reward is a plain callable that takes keyword arguments and asks only for what
 
 Keywords on offer (see `reward_kwargs`): response (str), response_ids (list[int]), answer,
 images (list of PIL images), videos, prompt (the prompt text), messages, sample (the Sample),
-metadata (dict). Extra keyword arguments come from the config entry's `args`. It may also be
+metadata (dict), transcript (list of turns) and tool_state (dict) of a multi-turn episode. Extra keyword arguments come from the config entry's `args`. It may also be
 `async def`, or declared `@reward(batched=True)` to score many responses per call
 (`variants.py`); `calling.py` calls every variant and normalises the results.
 
@@ -30,9 +30,16 @@ __all__ = ["RewardError", "AVAILABLE_KEYS", "call_reward", "reward_kwargs", "Rew
            "RewardTraits", "traits_of"]
 
 
-def reward_kwargs(sample: Sample, response: str, response_ids: Iterable[int] | None = None) -> dict[str, Any]:
-    """Everything a reward may ask for, built from a Sample and one response."""
+def reward_kwargs(sample: Sample, response: str, response_ids: Iterable[int] | None = None,
+                  episode: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a reward may ask for, built from a Sample and one response. `episode` holds what
+    a multi-turn loop recorded: `transcript` (the turns: model text, tool calls, tool results)
+    and `tool_state` (the tools' final state, e.g. a GUI's success); a single-turn response is a
+    transcript of one assistant turn."""
+    episode = episode or {}
     return {
+        "transcript": list(episode.get("transcript") or [{"role": "assistant", "content": response}]),
+        "tool_state": dict(episode.get("tool_state") or {}),
         "response": response,
         "response_ids": list(response_ids) if response_ids is not None else [],
         "answer": sample.answer,

@@ -24,7 +24,7 @@ __all__ = ["AVAILABLE_KEYS", "RewardError", "CallTimeout", "call_reward", "call_
            "gather_async", "run_coroutine"]
 
 AVAILABLE_KEYS = ("response", "response_ids", "answer", "images", "videos", "prompt", "messages",
-                  "sample", "metadata")
+                  "sample", "metadata", "transcript", "tool_state")
 
 
 class RewardError(RuntimeError):

@@ -57,6 +57,7 @@ class RewardHandle:
     texts: list[str]
     response_ids: list[list[int]] | None
     n_calls: int
+    episodes: list[dict[str, Any]] | None = None
     ref: Any = None
     actor: Any = None
     head_since: float | None = None  # when it became the first queued group of its actor
@@ -177,7 +178,7 @@ class RewardPool:
     def _enqueue(self, h: RewardHandle) -> None:
         state = min(self._slots, key=lambda s: len(s.queue))  # least loaded worker
         h.actor = state.actor
-        h.ref = state.actor.score_group.remote(h.sample, h.texts, h.response_ids)
+        h.ref = state.actor.score_group.remote(h.sample, h.texts, h.response_ids, h.episodes)
         h.head_since = time.monotonic() if not state.queue else None
         state.queue.append(h)
         self._pending[h.ref] = h
@@ -201,7 +202,8 @@ class RewardPool:
 
     # -- submission
     def submit(self, sample: Sample, texts: Sequence[str],
-               response_ids: Sequence[Sequence[int]] | None = None) -> RewardHandle:
+               response_ids: Sequence[Sequence[int]] | None = None,
+               episodes: Sequence[dict[str, Any]] | None = None) -> RewardHandle:
         """Queue one group (the responses to `sample`) on the least loaded worker; returns at once."""
         if self._closed:
             raise RuntimeError("the RewardPool is closed")
@@ -210,7 +212,8 @@ class RewardPool:
         if ids is not None and len(ids) != len(texts):
             raise ValueError(f"sample {sample.key!r}: {len(texts)} texts but {len(ids)} response_ids")
         h = RewardHandle(key=str(sample.key), index=self._next_index, sample=sample, texts=texts,
-                         response_ids=ids, n_calls=max(1, len(texts) * len(self.rewards.entries)))
+                         response_ids=ids, n_calls=max(1, len(texts) * len(self.rewards.entries)),
+                         episodes=list(episodes) if episodes is not None else None)
         self._next_index += 1
         self._enqueue(h)
         return h

@@ -155,7 +155,8 @@ class GroupScorer:
 
     # -- public
     def score_group(self, sample: Sample, texts: Sequence[str],
-                    response_ids: Sequence[Iterable[int] | None] | None = None) -> dict[str, Any]:
+                    response_ids: Sequence[Iterable[int] | None] | None = None,
+                    episodes: Sequence[Mapping[str, Any] | None] | None = None) -> dict[str, Any]:
         """Score every response of one sample; returns plain data (scores, failures, tainted, timings).
 
         scores[j] = {"score": Σ weight·score, "<name>/<component>": ...}; a failed reward scores 0.
@@ -163,7 +164,8 @@ class GroupScorer:
         self.setup()
         started_at, t0 = time.time(), time.perf_counter()
         ids = list(response_ids) if response_ids is not None else [None] * len(texts)
-        items = [reward_kwargs(sample, text, rid) for text, rid in zip(texts, ids)]
+        eps = list(episodes) if episodes is not None else [None] * len(texts)
+        items = [reward_kwargs(sample, text, rid, ep) for text, rid, ep in zip(texts, ids, eps)]
         entries = self.rewards.entries
         outcomes = [self._score_reward(fn, items, e["args"], e["label"])
                     for e, fn in zip(entries, self.rewards.functions())]
@@ -212,8 +214,9 @@ class RewardWorker:
         return {"ok": True, "names": self.scorer.rewards.names, "pid": os.getpid(), "cwd": os.getcwd()}
 
     def score_group(self, sample: Sample, texts: Sequence[str],
-                    response_ids: Sequence[Iterable[int] | None] | None) -> dict[str, Any]:
-        return self.scorer.score_group(sample, texts, response_ids)
+                    response_ids: Sequence[Iterable[int] | None] | None,
+                    episodes: Sequence[Mapping[str, Any] | None] | None = None) -> dict[str, Any]:
+        return self.scorer.score_group(sample, texts, response_ids, episodes)
 
 
 _REMOTE_WORKER: Any = None

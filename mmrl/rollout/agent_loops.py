@@ -75,3 +75,7 @@ async def single_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt
     """One generation: the response to the sample's prompt."""
     completion = await ctx.client.generate(prompt.vllm_input, ctx.sampling)
     return make_trajectory([completion])
+
+
+# The built-in multi-turn tool loop registers itself ("multi_turn"); imported last, it builds on the above.
+from mmrl.rollout import tool_loop  # noqa: E402,F401

@@ -88,3 +88,23 @@ class Trajectory:
     reward: float = 0.0
     reward_components: dict[str, float] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
+    # Multi-turn loops: the turns as the rewards see them, the tools' final state, counters
+    # (turns, tool calls, errors) that become step metrics.
+    transcript: list[dict[str, Any]] = field(default_factory=list)
+    tool_state: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+    # Media that entered after the prompt (a tool's image), in the engine's format; the rollout
+    # worker turns them into `response_inputs` and drops them before the trajectory travels.
+    new_media: dict[str, list[Any]] = field(default_factory=dict)
+    # Reference to the trainer inputs of the response when it holds media (`ResponseInputs`).
+    response_inputs: Any = None
+
+
+@dataclass
+class ResponseInputs:
+    """The trainer side of a response that contains media (a tool returned an image): the
+    positions of its tokens (vision blocks expanded) and the vision tensors of its media only.
+    Kept in the rollout worker's object store; the trainer ranks fetch it."""
+
+    position_ids_3T: Any
+    mm_inputs: dict[str, Any]

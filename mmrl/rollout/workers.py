@@ -29,6 +29,7 @@ from mmrl.data.sample import Sample
 from mmrl.processors.base import ProcessedPrompt, PromptRef, process_sample
 from mmrl.rollout.agent_loops import AgentContext
 from mmrl.rollout.client import Router
+from mmrl.rollout.trainer_view import to_trainer_view
 from mmrl.rollout.types import SamplingConfig, Trajectory
 
 # Processed held-out prompts kept per worker (evaluation reruns the same samples every time).
@@ -95,6 +96,11 @@ class RolloutWorker:
             return GroupOutcome(slot, sample.key, failure=prompt, worker=self.index)
         trajectories = await asyncio.gather(*[self._trajectory(sample, prompt, slot, j, sampling)
                                                for j in range(sampling.n)])
+        for t in trajectories:
+            if evaluation:
+                t.new_media = {}  # nothing to train on: the images stay here
+            else:
+                to_trainer_view(self.processor, prompt, t)
         ref = None if evaluation else PromptRef(
             sample.key, prompt.num_tokens, ray.put(dataclasses.replace(prompt, vllm_input={})))
         return GroupOutcome(slot, sample.key, prompt=ref, trajectories=list(trajectories), worker=self.index)

@@ -37,6 +37,12 @@ class TrainSequence:
     extras: dict[str, float] = field(default_factory=dict)
     prompt_ref: PromptRef | None = None
     uid: int = -1  # names the sequence to the trainer ranks (logprobs they keep for it)
+    # A response holding media (a tool's image): its own positions and vision tensors, sent by
+    # reference (`response_ref`, a `ResponseInputs`) and filled on the rank by `resolve_prompts`.
+    # Without them response token t sits at next_position + t.
+    response_ref: Any = None
+    response_position_ids_3T: torch.Tensor | None = None
+    response_mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def prompt_length(self) -> int:
@@ -50,23 +56,28 @@ class TrainSequence:
 
     @classmethod
     def from_prompt(cls, prompt: ProcessedPrompt | PromptRef, response_ids: list[int], behaviour_logprobs: list[float],
-                    loss_mask: list[int], advantage: float = 0.0) -> "TrainSequence":
+                    loss_mask: list[int], advantage: float = 0.0, response_ref: Any = None) -> "TrainSequence":
         if isinstance(prompt, PromptRef):
             return cls(prompt_ids=[], position_ids_3P=torch.zeros((3, 0), dtype=torch.long), next_position=0,
                        mm_inputs={}, response_ids=response_ids, behaviour_logprobs=behaviour_logprobs,
-                       loss_mask=loss_mask, advantage=advantage, prompt_ref=prompt)
+                       loss_mask=loss_mask, advantage=advantage, prompt_ref=prompt, response_ref=response_ref)
         return cls(prompt_ids=prompt.prompt_ids, position_ids_3P=prompt.position_ids_3P,
                    next_position=prompt.next_position, mm_inputs=prompt.mm_inputs, response_ids=response_ids,
-                   behaviour_logprobs=behaviour_logprobs, loss_mask=loss_mask, advantage=advantage)
+                   behaviour_logprobs=behaviour_logprobs, loss_mask=loss_mask, advantage=advantage,
+                   response_ref=response_ref)
 
 
 def resolve_prompts(seqs: Sequence[TrainSequence]) -> None:
     """Fetch the prompts sent by reference (one fetch per distinct prompt: a group's sequences
     share it) and fill their fields; on the trainer rank, before the forward."""
+    import ray
+
+    responses = [s for s in seqs if s.response_ref is not None and s.response_position_ids_3T is None]
+    for s, inputs in zip(responses, ray.get([s.response_ref for s in responses]) if responses else []):
+        s.response_position_ids_3T, s.response_mm_inputs = inputs.position_ids_3T, inputs.mm_inputs
     pending = [s for s in seqs if s.prompt_ref is not None and not s.prompt_ids]
     if not pending:
         return
-    import ray
 
     refs: dict[Any, Any] = {}
     for s in pending:
@@ -115,8 +126,13 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
         input_ids[i, P - n_p:P] = torch.tensor(s.prompt_ids)
         attention[i, P - n_p:P + n_r] = 1
         positions[:, i, P - n_p:P] = s.position_ids_3P
-        # response tokens continue the text positions after the prompt's largest position
-        positions[:, i, P:] = s.next_position + torch.arange(T)
+        # response tokens continue the text positions after the prompt's largest position,
+        # unless the response holds media and brings its own positions
+        if s.response_position_ids_3T is not None and n_r:
+            positions[:, i, P:P + n_r] = s.response_position_ids_3T
+            positions[:, i, P + n_r:] = int(s.response_position_ids_3T.max()) + 1 + torch.arange(T - n_r)
+        else:
+            positions[:, i, P:] = s.next_position + torch.arange(T)
         if n_r:
             input_ids[i, P:P + n_r] = torch.tensor(s.response_ids)
             response[i, :n_r] = torch.tensor(s.response_ids)
@@ -124,8 +140,10 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
             behaviour[i, :n_r] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
     old = _padded([s.old_logprobs for s in seqs], T)
     ref = _padded([s.ref_logprobs for s in seqs], T)
-    mm_keys = sorted({k for s in seqs for k in s.mm_inputs})
-    mm_inputs = {k: torch.cat([s.mm_inputs[k] for s in seqs if k in s.mm_inputs]) for k in mm_keys}
+    # per row: the prompt's media, then the response's (the order their tokens appear in)
+    rows_mm = [(s.mm_inputs, s.response_mm_inputs) for s in seqs]
+    mm_keys = sorted({k for a, b in rows_mm for k in (*a, *b)})
+    mm_inputs = {k: torch.cat([part[k] for a, b in rows_mm for part in (a, b) if k in part]) for k in mm_keys}
     return MicroBatch(input_ids_BL=input_ids, attention_mask_BL=attention, position_ids_3BL=positions,
                       mm_inputs=mm_inputs, response_ids_BT=response, mask_BT=mask,
                       behaviour_logprobs_BT=behaviour, old_logprobs_BT=old, ref_logprobs_BT=ref,

@@ -1,0 +1,169 @@
+"""The multi-turn tool loop (agent loop "multi_turn"): generate, run the tool calls, show the
+results as a tool turn, generate again, until an answer, `max_turns`, or the token budget.
+
+Token fidelity is by construction: the trajectory is ONE token sequence that only ever grows.
+Each model turn appends the engine's own token ids (loss mask 1, with their logprobs and weight
+versions); each tool turn appends the token ids of its rendered text (loss mask 0). Nothing is
+decoded and re-encoded, so what the trainer sees is exactly what the engine produced, however
+the tokenizer would merge the text today. A tool turn's text comes from the model's own chat
+template (`render_after_turn`), and images a tool returns go into the next engine prompt as
+`multi_modal_data` with one vision pad each, like the prompt's own images; the rollout worker
+expands them for the trainer afterwards (workers.py, `trainer_view`).
+
+`rollout.agent_loop_args` (all optional but `tools`):
+    tools: [{name: image_zoom, args: {...}}, ...]   tool plugins (kind "tool"), built per trajectory
+    parser: hermes            tool-call parser (kind "tool_parser": hermes, compact, or your own)
+    max_turns: 4              model turns at most
+    max_total_tokens: 1024    tokens after the prompt at most (model + tool turns)
+    tool_timeout_s: 30        a slower call is answered with a tool error
+    max_calls_per_turn: 4     calls beyond this in one turn are answered with an error
+    tool_role: tool           the chat role of tool turns ("user" for templates without "tool")
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmrl import registry
+from mmrl.data.sample import Sample
+from mmrl.processors.base import ProcessedPrompt
+from mmrl.registry import register
+from mmrl.rollout.agent_loops import AgentContext, make_trajectory
+from mmrl.rollout.types import Completion, Trajectory
+from mmrl.tools.base import ToolResult, run_tool
+
+
+@dataclass
+class ToolLoopArgs:
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    parser: str = "hermes"
+    max_turns: int = 4
+    max_total_tokens: int = 1024
+    tool_timeout_s: float | None = 30.0
+    max_calls_per_turn: int = 4
+    tool_role: str = "tool"
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> "ToolLoopArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"rollout.agent_loop_args: unknown key(s) {unknown} for the multi_turn loop; "
+                             f"known: {sorted(known)}")
+        out = cls(**args)
+        if out.max_turns < 1 or out.max_total_tokens < 1:
+            raise ValueError("rollout.agent_loop_args: max_turns and max_total_tokens must be >= 1")
+        for i, spec in enumerate(out.tools):
+            if not isinstance(spec, dict) or "name" not in spec or set(spec) - {"name", "args"}:
+                raise ValueError(f"rollout.agent_loop_args.tools[{i}] must be {{name: ..., args: {{...}}}}, got {spec!r}")
+        return out
+
+
+def build_tools(specs: list[dict[str, Any]], sample: Sample) -> list[Any]:
+    """One instance of each configured tool for this trajectory."""
+    return [registry.resolve("tool", spec["name"])(sample, **dict(spec.get("args") or {})) for spec in specs]
+
+
+def render_after_turn(processor: Any, messages: list[dict[str, Any]]) -> str:
+    """The text that follows a model turn's end-of-turn token to show `messages` (tool or user
+    turns, images as {"type": "image"} parts) and open the next assistant turn, taken from the
+    model's own chat template as the difference of two renderings."""
+    hf = getattr(processor, "hf", None) or processor.tokenizer
+    eos = processor.tokenizer.decode([processor.eos_token_id])
+    base = [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]
+    before = hf.apply_chat_template(base, tokenize=False)
+    after = hf.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before) or eos not in before:
+        raise ValueError("the chat template does not render a conversation as a prefix of its continuation; "
+                         "tool turns cannot be appended token-exactly with this template")
+    return before[before.rindex(eos) + len(eos):] + after[len(before):]
+
+
+def _tool_message(role: str, result: ToolResult) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "image"} for _ in result.images]
+    content.append({"type": "text", "text": result.text})
+    return {"role": role, "content": content}
+
+
+@register("agent_loop", "multi_turn")
+async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt) -> Trajectory:
+    """Model turns and tool turns in one token sequence (see the module docstring)."""
+    args = ToolLoopArgs.from_dict(ctx.args)
+    parser = registry.resolve("tool_parser", args.parser)
+    tools = build_tools(args.tools, sample)
+    owner = {name: tool for tool in tools for name in (f["function"]["name"] for f in tool.functions())}
+    functions = [f for tool in tools for f in tool.functions()]
+    tokenizer, eos = ctx.processor.tokenizer, ctx.processor.eos_token_id
+    prompt_ids = list(prompt.vllm_input["prompt_token_ids"])
+    media = {k: list(v) if isinstance(v, (list, tuple)) else [v]
+             for k, v in (prompt.vllm_input.get("multi_modal_data") or {}).items()}
+    new_images: list[Any] = []
+    completions: list[Completion] = []
+    between: list[tuple[list[int], str]] = []
+    transcript: list[dict[str, Any]] = []
+    stats = {"turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "tool_seconds": 0.0, "tool_images": 0.0}
+    response: list[int] = []
+    finish: str | None = None
+    try:
+        for turn in range(args.max_turns):
+            budget = min(ctx.sampling.max_tokens, args.max_total_tokens - len(response))
+            engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + response}
+            if media:
+                engine_prompt["multi_modal_data"] = media
+            c = await ctx.client.generate(engine_prompt, dataclasses.replace(ctx.sampling, max_tokens=budget))
+            completions.append(c)
+            response += c.token_ids
+            stats["turns"] += 1
+            # the parser reads the engine's tokens with special tokens kept: what the model wrote
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
+            calls = parser(text, functions)
+            transcript.append({"role": "assistant", "content": c.text,
+                               "tool_calls": [{"name": k.name, "arguments": k.arguments} for k in calls]})
+            finish = c.finish_reason
+            # a turn cut by its token limit still counts its complete calls
+            if not calls or turn == args.max_turns - 1:
+                break
+            results: list[ToolResult] = []
+            for i, call in enumerate(calls):
+                if call.error is not None or i >= args.max_calls_per_turn:
+                    why = call.error or f"at most {args.max_calls_per_turn} tool calls per turn"
+                    result, seconds = ToolResult(text=f"error: {why}", error=True), 0.0
+                else:
+                    result, seconds = await run_tool(owner[call.name], call.name, call.arguments, args.tool_timeout_s)
+                stats["tool_calls"] += 1
+                stats["tool_errors"] += float(result.error)
+                stats["tool_seconds"] += seconds
+                results.append(result)
+                transcript.append({"role": "tool", "name": call.name, "content": result.text,
+                                   "images": len(result.images), "error": result.error})
+            if any(r.done for r in results):
+                finish = "done"
+                break
+            text_after = render_after_turn(ctx.processor, [_tool_message(args.tool_role, r) for r in results])
+            # a turn that ended on a stop string instead of end-of-turn gets its end-of-turn token
+            closing = [] if c.token_ids and c.token_ids[-1] == eos else [eos]
+            env_ids = closing + tokenizer(text_after, add_special_tokens=False)["input_ids"]
+            if len(response) + len(env_ids) >= args.max_total_tokens:
+                finish = "length"
+                break
+            between.append((env_ids, tokenizer.decode(closing) + text_after))
+            response += env_ids
+            images = [img for r in results for img in r.images]
+            if images:
+                media.setdefault("image", []).extend(images)
+                new_images += images
+                stats["tool_images"] += len(images)
+    finally:
+        tool_state = {}
+        for tool in tools:
+            try:
+                tool_state.update(tool.state())
+            finally:
+                tool.close()
+    trajectory = make_trajectory(completions, between, finish_reason=finish)
+    trajectory.transcript, trajectory.tool_state, trajectory.stats = transcript, tool_state, stats
+    if new_images:
+        trajectory.new_media = {"image": new_images}
+    return trajectory
