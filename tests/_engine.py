@@ -26,7 +26,7 @@ def tiny_engine(model_dir: Path, run_dir: Path, agent_loop: str = "single_turn",
         # chunked prefill off, as start_runtime sets it on CPU: seeded requests need it (engine.generate)
         kwargs = engine_kwargs(str(model_dir), "float32", 0, {"max_model_len": 512, "enforce_eager": True,
                                                               "enable_chunked_prefill": False,
-                                                              "limit_mm_per_prompt": {"image": 1, "video": 0}})
+                                                              "limit_mm_per_prompt": {"image": 2, "video": 0}})
         engine = RolloutEngine.as_actor({"num_cpus": 1}, kwargs, env)
         ray.get(engine.ready.remote(), timeout=600)
         processor = build_processor("auto", str(model_dir))

@@ -145,7 +145,7 @@ def test_multi_turn_parity_with_an_image_returned_by_a_tool(runtime: Runtime, co
     from mmrl.rollout.workers import RolloutWorkers
 
     rt = runtime
-    args = {"parser": f"{REPO}/tests/_tool_parsers.py:zoom_every_turn", "max_turns": 2,
+    args = {"parser": f"{REPO}/tests/_tool_plugins.py:zoom_every_turn", "max_turns": 2,
             "tools": [{"name": "image_zoom", "args": {"upscale_to": 56}}]}
     workers = RolloutWorkers(1, rt.engines, {"name": "auto", "model_path": rt.cfg.model.path}, "multi_turn", args)
     try:
