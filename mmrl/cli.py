@@ -48,6 +48,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_rollout(args: argparse.Namespace) -> int:
+    from mmrl.config import load_config
+    from mmrl.rollout.serve import serve_rollout
+
+    cfg = load_config(args.config, args.overrides)
+    serve_rollout(cfg, host=args.host, port=args.port, on_drift=args.on_drift, parser=args.parser or None)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -301,6 +310,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the process placement")
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("serve-rollout", help="serve the config's rollout engines as an OpenAI-compatible, "
+                                              "token-recording endpoint for outside agents")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--on-drift", choices=["splice", "flag"], default="splice")
+    p.add_argument("--parser", default="hermes", help="tool-call parser for replies' tool_calls ('' = none)")
+    p.set_defaults(func=cmd_serve_rollout)
+
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (LoRA merged)")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N, or a run folder (its newest checkpoint)")
     p.add_argument("--out", required=True, help="a new folder for the HF model")
@@ -309,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="step-time breakdown, throughput and plots of a run (live or finished)",
                        description="Print where a run's step time goes and write RUN_DIR/report/ "
-                                   "(summary.json, summary.md, PNG plots).")
+                                   "(summary.json, summary.md, PNG plots), and RUN_DIR/rollouts.html when the "
+                                   "run logged rollouts.")
     p.add_argument("run_dir", help="the run's output folder (run.output_dir), e.g. runs/colors-demo")
     p.set_defaults(func=cmd_report)
 

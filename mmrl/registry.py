@@ -187,3 +187,9 @@ def describe(obj: Any) -> str:
     """First docstring line, for listings."""
     doc = inspect.getdoc(obj) or ""
     return doc.splitlines()[0] if doc else ""
+
+
+def load_ref(spec: str, what: str = "object") -> Any:
+    """Load a `module:attr` or `path/to/file.py:attr` that is not a registered plugin kind (an
+    agent function, say); errors name `what` and the fix like plugin errors do."""
+    return _load_ref(what, spec)

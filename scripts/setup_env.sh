@@ -22,6 +22,11 @@ if ! command -v g++ >/dev/null 2>&1; then
   echo "[setup] installing g++ (DeepSpeed builds its CPU ops with it)"
   apt-get update -qq && apt-get install -y -qq g++ >/dev/null
 fi
+# Headless Chromium: tests/test_rollouts_html.py opens the rollouts page in a real browser.
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "[setup] installing chromium (the rollouts page test opens it headless)"
+  apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+fi
 
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 PIP="$VENV/bin/pip"

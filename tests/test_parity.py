@@ -175,3 +175,46 @@ def test_multi_turn_parity_with_an_image_returned_by_a_tool(runtime: Runtime, co
                             for i, s in enumerate(seqs)])
     assert diffs.size == 8 * len(seqs) and diffs.mean() <= 1e-4, diffs.mean()
     print(f"multi-turn parity mean|d| {diffs.mean():.2e} over {diffs.size} model tokens")
+
+
+def test_an_openai_client_agent_is_trained_through_the_proxy(runtime: Runtime, colors_samples: list) -> None:
+    """tests/_openai_agent.py imports only `openai`: two turns with a tool result between them,
+    its own system prompt. Through the proxy its trajectories carry the engine's token ids,
+    logprobs and weight versions, the re-rendered history is spliced back onto the recorded
+    tokens (drift counted), the trainer's logprobs match the engine's and a training step runs."""
+    from mmrl.rollout.workers import RolloutWorkers
+
+    rt = runtime
+    workers = RolloutWorkers(1, rt.engines, {"name": "auto", "model_path": rt.cfg.model.path}, "openai_agent",
+                             {"agent": f"{REPO}/tests/_openai_agent.py:agent"})
+    try:
+        workers.ready()
+        sampling = SamplingConfig(n=2, max_new_tokens=8, temperature=1.0, seed=4,
+                                  forbidden_token_ids=rt.sampling.forbidden_token_ids)
+        rollout = run_rollout(workers, colors_samples[:4], sampling)
+    finally:
+        workers.close()
+    trajectories = [t for g in rollout.groups for t in g]
+    for t in trajectories:
+        assert t.stats["proxy_calls"] == 2 and t.prompt_ref is not None  # its own system prompt
+        mask = np.asarray(t.loss_mask)
+        assert mask.sum() == sum(len(c) for c in [t.response_ids]) - (mask == 0).sum() > 0
+        assert t.tool_state["answer"] is not None and len(t.transcript) == 2
+        assert all(v == rt.weight_version for v, m in zip(t.token_versions, t.loss_mask) if m)
+        assert all(lp < 0 for lp, m in zip(t.behaviour_logprobs, t.loss_mask) if m)
+    assert sum(t.stats["drift"] for t in trajectories) >= 1
+    assert sum(t.stats["drift_spliced"] for t in trajectories) == sum(t.stats["drift"] for t in trajectories)
+    seqs = make_sequences(rollout.prompts, rollout.groups)
+    chunks, order = plan_forward_only(seqs, world_size=len(rt.trainers), micro_batch_size=8)
+    per_rank = ray.get([tr.compute_logprobs.remote(c) for tr, c in zip(rt.trainers, chunks)])
+    trainer_lps = {i: lp for idx, rank in zip(order, per_rank) for i, lp in zip(idx, rank)}
+    diffs = np.concatenate([np.abs(np.asarray(trainer_lps[i]) - np.asarray(s.behaviour_logprobs))[np.asarray(s.loss_mask) == 1]
+                            for i, s in enumerate(seqs)])
+    assert diffs.mean() <= 1e-4, diffs.mean()
+    for seq, adv in zip(seqs, [1.0, -1.0] * len(seqs)):
+        seq.advantage = adv
+    stats = ray.get([t.train_step.remote(x) for t, x in
+                     zip(rt.trainers, plan_updates(seqs, world_size=len(rt.trainers), micro_batch_size=64))])
+    assert stats[0]["grad_norms"][0] > 0 and stats[0]["skipped_updates"] == 0
+    print(f"openai agent: parity mean|d| {diffs.mean():.2e} over {diffs.size} tokens; drift "
+          f"{sum(t.stats['drift'] for t in trajectories):.0f} of {len(trajectories) * 2} calls, all spliced")

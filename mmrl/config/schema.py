@@ -392,6 +392,10 @@ class LoggingConfig:
     progress_bar: bool = True
     # Print a metrics line to the console every k steps (0 = only the progress bar).
     console_every: int = 10
+    # Write the first `rollouts_per_step` groups of every k-th step (steps 1, 1+k, ...) to
+    # RUN_DIR/rollouts/ (controller/rollout_log.py; `mmrl report` renders rollouts.html). 0 = off.
+    rollouts_every: int = 10
+    rollouts_per_step: int = 4
 
 
 @dataclass

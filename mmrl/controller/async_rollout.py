@@ -31,6 +31,7 @@ import numpy as np
 import ray
 
 from mmrl.controller.metrics import rollout_metrics
+from mmrl.controller.rollout_log import log_rollouts
 from mmrl.data.sample import Sample
 from mmrl.processors import PromptRef
 from mmrl.rollout.types import SamplingConfig, Trajectory
@@ -217,6 +218,7 @@ def run_async_step(rt: Any, window: AsyncRollout, advantage_fn: Any, spans: Any,
     groups = [d.group for d in batch]
     metrics.update(RewardReport.from_results([d.result for d in batch]).metrics())
     metrics.update(rollout_metrics(groups))
+    log_rollouts(rt, step, [d.sample for d in batch], [d.prompt for d in batch], groups)
     metrics.update(update_policy(rt.trainers, cfg, [d.prompt for d in batch], groups, advantage_fn, spans, step))
     with spans("weight_sync"):
         sync = rt.push_weights()

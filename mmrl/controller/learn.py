@@ -40,7 +40,7 @@ def needs_reference(cfg: Config) -> bool:
 
 
 def make_sequences(prompts: Sequence[ProcessedPrompt | PromptRef], groups: Sequence[Sequence[Trajectory]]) -> list[TrainSequence]:
-    seqs = [TrainSequence.from_prompt(prompts[i], t.response_ids, t.behaviour_logprobs, t.loss_mask,
+    seqs = [TrainSequence.from_prompt(t.prompt_ref or prompts[i], t.response_ids, t.behaviour_logprobs, t.loss_mask,
                                       response_ref=t.response_inputs)
             for i, group in enumerate(groups) for t in group]
     for uid, seq in enumerate(seqs):

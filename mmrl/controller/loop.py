@@ -23,6 +23,7 @@ from mmrl.controller.metrics import rollout_metrics
 from mmrl.controller.placement import placement_plan
 from mmrl.data.sample import Sample
 from mmrl.controller.prompts import SampleBatches
+from mmrl.controller.rollout_log import log_rollouts
 from mmrl.controller.rollout import EngineMonitor, rollout_and_score_groups, run_rollout
 from mmrl.processors import PromptRef, build_processor
 from mmrl.rewards.workers import RewardPool
@@ -244,6 +245,7 @@ def run_step(rt: Runtime, samples: list[Sample], advantage_fn: Any, spans: StepS
     if not groups:
         metrics["train/skipped_steps"] = 1.0  # every group dropped: nothing to learn from
         return metrics, used
+    log_rollouts(rt, step, used, prompts, groups)
     metrics.update(update_policy(rt.trainers, cfg, prompts, groups, advantage_fn, spans, step))
     with spans("weight_sync"):
         sync = rt.push_weights()

@@ -1,7 +1,8 @@
 """`mmrl report RUN_DIR`: where a run's step time goes, its throughput, and plots of its curves.
 
 Reads RUN_DIR/metrics.jsonl (and RUN_DIR/config.yaml when present) and writes RUN_DIR/report/:
-summary.json (the numbers), summary.md (the same for humans) and PNG plots. A run that is still
+summary.json (the numbers), summary.md (the same for humans) and PNG plots; with RUN_DIR/rollouts/
+(logged rollouts) also RUN_DIR/rollouts.html (controller/rollouts_html.py). A run that is still
 going is fine: a half-written last line of metrics.jsonl is ignored.
 """
 from __future__ import annotations
@@ -270,7 +271,8 @@ def to_markdown(summary: dict[str, Any], plots: list[str], skipped: dict[str, st
 
 
 def write_report(run_dir: str | Path, console: Any) -> dict[str, Any]:
-    """Print the report and write RUN_DIR/report/{summary.json,summary.md,*.png}; return the summary."""
+    """Print the report and write RUN_DIR/report/{summary.json,summary.md,*.png} (and RUN_DIR/rollouts.html
+    when the run logged rollouts); return the summary."""
     from mmrl.controller.report_plots import write_plots
 
     run_dir = Path(run_dir)
@@ -286,4 +288,8 @@ def write_report(run_dir: str | Path, console: Any) -> dict[str, Any]:
     for name, why in skipped.items():
         console.print(f"plot {name}: skipped ({why})", highlight=False)
     console.print(f"wrote {len(plots)} plot(s), summary.json and summary.md to {out}", highlight=False)
+    if (run_dir / "rollouts").is_dir():
+        from mmrl.controller.rollouts_html import write_rollouts_html
+
+        console.print(f"wrote the logged rollouts to {write_rollouts_html(run_dir)}", highlight=False)
     return summary

@@ -78,4 +78,4 @@ async def single_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt
 
 
 # The built-in multi-turn tool loop registers itself ("multi_turn"); imported last, it builds on the above.
-from mmrl.rollout import tool_loop  # noqa: E402,F401
+from mmrl.rollout import openai_loop, tool_loop  # noqa: E402,F401

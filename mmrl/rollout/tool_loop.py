@@ -18,6 +18,8 @@ expands them for the trainer afterwards (workers.py, `trainer_view`).
     tool_timeout_s: 30        a slower call is answered with a tool error
     max_calls_per_turn: 4     calls beyond this in one turn are answered with an error
     tool_role: tool           the chat role of tool turns ("user" for templates without "tool")
+    thumbnail_px: 96          tool images enter the transcript as PNG thumbnails this big (0 = none),
+                              so logs and rollouts.html show the crops and screenshots the model saw
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from mmrl.registry import register
 from mmrl.rollout.agent_loops import AgentContext, make_trajectory
 from mmrl.rollout.types import Completion, Trajectory
 from mmrl.tools.base import ToolResult, run_tool
+from mmrl.utils.thumbnails import thumbnail
 
 
 @dataclass
@@ -43,6 +46,7 @@ class ToolLoopArgs:
     tool_timeout_s: float | None = 30.0
     max_calls_per_turn: int = 4
     tool_role: str = "tool"
+    thumbnail_px: int = 96
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> "ToolLoopArgs":
@@ -137,7 +141,9 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
                 stats["tool_seconds"] += seconds
                 results.append(result)
                 transcript.append({"role": "tool", "name": call.name, "content": result.text,
-                                   "images": len(result.images), "error": result.error})
+                                   "images": len(result.images), "error": result.error,
+                                   "thumbnails": [thumbnail(i, args.thumbnail_px) for i in result.images]
+                                   if args.thumbnail_px > 0 else []})
             if any(r.done for r in results):
                 finish = "done"
                 break

@@ -98,6 +98,11 @@ class Trajectory:
     new_media: dict[str, list[Any]] = field(default_factory=dict)
     # Reference to the trainer inputs of the response when it holds media (`ResponseInputs`).
     response_inputs: Any = None
+    # A loop whose first request was not the sample's prompt (an OpenAI-client agent with its
+    # own system prompt) sets its engine prompt here; the worker turns it into `prompt_ref`,
+    # which the trainer uses instead of the group's prompt.
+    own_prompt: dict[str, Any] | None = None
+    prompt_ref: Any = None
 
 
 @dataclass

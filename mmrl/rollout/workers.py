@@ -98,9 +98,14 @@ class RolloutWorker:
                                                for j in range(sampling.n)])
         for t in trajectories:
             if evaluation:
-                t.new_media = {}  # nothing to train on: the images stay here
-            else:
-                to_trainer_view(self.processor, prompt, t)
+                t.new_media, t.own_prompt = {}, None  # nothing to train on: the images stay here
+                continue
+            base = prompt
+            if t.own_prompt is not None:
+                base = dataclasses.replace(self.processor.expand(t.own_prompt), key=sample.key)
+                t.prompt_ref = PromptRef(sample.key, base.num_tokens, ray.put(dataclasses.replace(base, vllm_input={})))
+                t.own_prompt = None
+            to_trainer_view(self.processor, base, t)
         ref = None if evaluation else PromptRef(
             sample.key, prompt.num_tokens, ray.put(dataclasses.replace(prompt, vllm_input={})))
         return GroupOutcome(slot, sample.key, prompt=ref, trajectories=list(trajectories), worker=self.index)
