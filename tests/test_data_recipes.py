@@ -13,7 +13,7 @@ from PIL import Image
 
 from _data_media import read_members, read_split
 from mmrl.cli import main
-from mmrl.data.recipes import counting, grounding, multi_image, video_motion
+from mmrl.data.recipes import counting, grounding, gui_click, multi_image, video_motion
 from mmrl.data.recipes._common import NUMBER_WORDS, SHAPES, ShardSink, tar_file_size
 from mmrl.data.stream import load_all
 from mmrl.registry import resolve
@@ -24,9 +24,10 @@ ARGS = {
     "grounding": dict(train_size=48, heldout_size=9, shard_size=16, seed=5),
     "multi_image": dict(train_size=40, heldout_size=8, shard_size=16, seed=5),
     "video_motion": dict(train_size=16, heldout_size=8, shard_size=8, seed=5),
+    "gui_click": dict(train_size=20, heldout_size=8, shard_size=8, seed=5, layout="random"),
 }
 MODULES = {"counting": counting, "grounding": grounding, "multi_image": multi_image,
-           "video_motion": video_motion}
+           "video_motion": video_motion, "gui_click": gui_click}
 
 
 
@@ -111,9 +112,12 @@ def test_counts_manifest_and_splits(built, name):
 def test_balanced_answers(built, name):
     out, info = built[name]
     labels = {"counting": list(NUMBER_WORDS[1:6]), "grounding": list(SHAPES),
-              "multi_image": ["yes", "no"], "video_motion": list(video_motion.DIRECTIONS)}[name]
+              "multi_image": ["yes", "no"], "video_motion": list(video_motion.DIRECTIONS),
+              "gui_click": None}[name]
     for split in ("train", "heldout"):
         recs = records(out, split)
+        if labels is None:  # random layouts: the task is drawn with the desktop, not balanced
+            continue
         if name == "grounding":
             got = Counter(r["metadata"]["target"] for r in recs)
         else:
@@ -313,3 +317,31 @@ def test_our_yuv420p_conversion_matches_ffmpeg_and_round_trips():
         flat = np.broadcast_to(np.array(colour, np.uint8), (1, 16, 16, 3)).copy()
         back = av.VideoFrame.from_ndarray(rgb_to_yuv420p(flat)[0], format="yuv420p").to_ndarray(format="rgb24")
         assert np.abs(back.astype(int) - colour).max() <= 2, (colour, back[0, 0])
+
+
+# ---------------------------------------------------------------------------------- gui_click
+
+def test_gui_click_episodes_are_solved_by_clicking(built, tmp_path):
+    """Every sample's desktop rebuilds from its metadata, its first screenshot is the sample's
+    image, and only the expert's two clicks (grid cells, as the prompt says) succeed."""
+    import asyncio
+
+    from mmrl.tools.base import run_tool
+    from mmrl.tools.gui import GuiEnvironment, expert_actions, render_screen, spec_from_sample
+
+    for layout, out in (("random", built["gui_click"][0]), ("fixed", None)):
+        if out is None:
+            out = str(tmp_path / "fixed")
+            info = resolve("dataset", "gui_click")(out, train_size=18, heldout_size=9, shard_size=9, seed=1)
+            assert Counter(r["answer"] for r in records(out, "heldout")) == Counter(
+                e.split("/")[1] for e in gui_click._fixed_tasks())
+        samples = load_all(os.path.join(out, "heldout-000000.tar"))
+        for s in samples:
+            spec = spec_from_sample(s)
+            assert "click X Y" in s.prompt_text and s.answer == spec.task.item
+            assert np.array_equal(np.asarray(render_screen(spec)), np.asarray(s.images[0].convert("RGB")))
+            env = GuiEnvironment(s, grid=gui_click.GRID)
+            for function, arguments in expert_actions(spec, grid=gui_click.GRID):
+                result, _ = asyncio.run(run_tool(env, function, arguments, timeout_s=30))
+                assert not result.error and len(result.images) == 1
+            assert env.state()["success"] and result.done

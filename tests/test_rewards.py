@@ -305,3 +305,16 @@ def test_reward_set_propagates_reward_errors_with_name(tmp_path) -> None:
     with pytest.raises(RewardError, match="oops"):
         rs.score(make_sample(), "x", [])
     assert math.isfinite(RewardSet([{"name": "answer_match"}]).score(make_sample(), "x", [])["score"])
+
+
+def test_tool_success_reads_the_environment_state_not_the_text() -> None:
+    from mmrl.rewards.tool_state import tool_success
+
+    called = [{"role": "assistant", "content": "click 1 0", "tool_calls": [{"name": "click", "arguments": {}}]},
+              {"role": "tool", "name": "click", "content": "opened menu 'File'", "error": False}]
+    done = tool_success({"success": True, "progress": 1.0}, called, progress_credit=0.3, call_credit=0.05)
+    assert done["score"] == 1.0 and done["success"] == 1.0
+    half = tool_success({"success": False, "progress": 0.5}, called, progress_credit=0.3, call_credit=0.05)
+    assert half["score"] == pytest.approx(0.3 * 0.5 + 0.05) and half["tool_calls"] == 1.0
+    says_done = [{"role": "assistant", "content": "Done, I clicked Save.", "tool_calls": []}]
+    assert tool_success({}, says_done, progress_credit=0.3, call_credit=0.05)["score"] == 0.0

@@ -137,24 +137,36 @@ class DesktopSpec:
 
     @classmethod
     def generate(cls, seed: int | list[int] | np.random.Generator, task: str = "gui_click",
-                 width: int = 256, height: int = 256) -> "DesktopSpec":
+                 width: int = 256, height: int = 256, layout: str = "random") -> "DesktopSpec":
         """A layout and a task drawn from `seed` (a dataset recipe passes its per-sample rng).
-        `task`: one of TASKS, or "any" to draw it too. The order of the draws is the output."""
+        `task`: one of TASKS, or "any" to draw it too. The order of the draws is the output.
+        `layout="fixed"`: the same desktop every time (the first three menus with three items
+        each, the first window, title and buttons), only the task is drawn: a curriculum step
+        where the instruction alone decides the clicks, which a tiny VLM can learn by RL."""
+        if layout not in ("random", "fixed"):
+            raise ValueError(f"layout must be 'random' or 'fixed', got {layout!r}")
         if task not in TASKS + ("any",):
             raise ValueError(f"task must be one of {', '.join(TASKS)} or 'any', got {task!r}")
         if width < MIN_WIDTH or height < MIN_HEIGHT:
             raise ValueError(f"the screen must be at least {MIN_WIDTH}x{MIN_HEIGHT}, got {width}x{height}")
         rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         pick = lambda names, n: [names[i] for i in rng.choice(len(names), n, replace=False)]  # noqa: E731
-        background = list(BACKGROUNDS[int(rng.integers(len(BACKGROUNDS)))])
-        title, label = pick(TITLES, 1)[0], pick(LABELS, 1)[0]
-        menus = pick(MENU_NAMES, 3)
-        sizes = [int(rng.integers(2, 4)) for _ in menus]
-        items = iter(pick(ITEM_NAMES, sum(sizes)))
-        buttons = pick(BUTTON_NAMES, int(rng.integers(2, 4)))
-        ww = int(rng.integers(MIN_WINDOW_W, min(width - 16, 240) + 1))
-        wx = int(rng.integers(8, width - ww - 8 + 1))
-        wy = int(rng.integers(BAR_H + 8, height - WINDOW_H - 8 + 1))
+        if layout == "fixed":
+            background, title, label = list(BACKGROUNDS[0]), TITLES[0], LABELS[0]
+            menus, sizes = list(MENU_NAMES[:3]), [3, 3, 3]
+            items, buttons = iter(ITEM_NAMES[:9]), list(BUTTON_NAMES[:2])
+            ww = min(width - 16, 200)
+            wx, wy = (width - ww) // 2, height - WINDOW_H - 8
+        else:
+            background = list(BACKGROUNDS[int(rng.integers(len(BACKGROUNDS)))])
+            title, label = pick(TITLES, 1)[0], pick(LABELS, 1)[0]
+            menus = pick(MENU_NAMES, 3)
+            sizes = [int(rng.integers(2, 4)) for _ in menus]
+            items = iter(pick(ITEM_NAMES, sum(sizes)))
+            buttons = pick(BUTTON_NAMES, int(rng.integers(2, 4)))
+            ww = int(rng.integers(MIN_WINDOW_W, min(width - 16, 240) + 1))
+            wx = int(rng.integers(8, width - ww - 8 + 1))
+            wy = int(rng.integers(BAR_H + 8, height - WINDOW_H - 8 + 1))
         elements: list[Element] = []
         for i, (name, n) in enumerate(zip(menus, sizes)):
             x0 = 4 + i * (MENU_W + MENU_GAP)
