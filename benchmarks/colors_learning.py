@@ -33,7 +33,9 @@ def run_seed(seed: int, target: float, budget_s: float, extra: list[str], out_ro
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     total = time.time() - t0
     (out_root / f"seed{seed}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
+    # A run the stability guard gave up on (collapse, rollbacks exhausted) is a result, not an error.
+    collapsed = "CollapseError" in proc.stderr
+    if proc.returncode != 0 and not collapsed:
         raise SystemExit(f"seed {seed} failed (exit {proc.returncode}); see {out_root}/seed{seed}.log")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["eval/heldout_accuracy"], r["time/wall_s"]) for r in rows if "eval/heldout_accuracy" in r]
@@ -42,7 +44,7 @@ def run_seed(seed: int, target: float, budget_s: float, extra: list[str], out_ro
     return {"seed": seed, "curve": curve, "steps_to_target": hit[0] if hit else None,
             "train_wall_to_target_s": hit[1] if hit else None,
             "total_wall_to_target_s": (hit[1] + startup) if hit else None,
-            "startup_s": startup, "total_wall_s": total, "final_accuracy": curve[-1][1],
+            "startup_s": startup, "total_wall_s": total, "final_accuracy": curve[-1][1], "collapsed": collapsed,
             "mean_step_s": sum(r.get("time/step_s", 0.0) for r in rows) / max(1, len(rows) - 1)}
 
 
