@@ -142,19 +142,10 @@ def test_multi_turn_parity_with_an_image_returned_by_a_tool(runtime: Runtime, co
     logprobs against the trainer's over every model token of both turns, fp32. Needs the crop's
     vision block expanded at the right place, M-RoPE positions that continue across it, the
     crop's pixels in the trainer's batch, and a loss mask that covers only the model's tokens."""
-    from mmrl.rollout.workers import RolloutWorkers
-
     rt = runtime
     args = {"parser": f"{REPO}/tests/_tool_plugins.py:zoom_every_turn", "max_turns": 2,
             "tools": [{"name": "image_zoom", "args": {"upscale_to": 56}}]}
-    workers = RolloutWorkers(1, rt.engines, {"name": "auto", "model_path": rt.cfg.model.path}, "multi_turn", args)
-    try:
-        workers.ready()
-        sampling = SamplingConfig(n=2, max_new_tokens=4, temperature=1.0, seed=3,
-                                  forbidden_token_ids=rt.sampling.forbidden_token_ids)
-        rollout = run_rollout(workers, colors_samples[:4], sampling)
-    finally:
-        workers.close()
+    rollout = _rollout_with(rt, "multi_turn", args, colors_samples[:4], max_new_tokens=4, seed=3)
     image_pad = rt.processor.image_token_id
     seqs = make_sequences(rollout.prompts, rollout.groups)
     for t, seq in zip([t for g in rollout.groups for t in g], seqs):
@@ -168,11 +159,7 @@ def test_multi_turn_parity_with_an_image_returned_by_a_tool(runtime: Runtime, co
         # model tokens: turn 1 first, turn 2 last, the tool turn (mask 0) between them
         assert mask[:4].all() and mask[-4:].all() and mask.sum() == 8
         assert all(v == rt.weight_version for v, m in zip(t.token_versions, t.loss_mask) if m)
-    chunks, order = plan_forward_only(seqs, world_size=len(rt.trainers), micro_batch_size=8)
-    per_rank = ray.get([tr.compute_logprobs.remote(c) for tr, c in zip(rt.trainers, chunks)])
-    trainer_lps = {i: lp for idx, rank in zip(order, per_rank) for i, lp in zip(idx, rank)}
-    diffs = np.concatenate([np.abs(np.asarray(trainer_lps[i]) - np.asarray(s.behaviour_logprobs))[np.asarray(s.loss_mask) == 1]
-                            for i, s in enumerate(seqs)])
+    diffs = _model_token_diffs(rt, seqs)
     assert diffs.size == 8 * len(seqs) and diffs.mean() <= 1e-4, diffs.mean()
     print(f"multi-turn parity mean|d| {diffs.mean():.2e} over {diffs.size} model tokens")
 
@@ -182,34 +169,22 @@ def test_an_openai_client_agent_is_trained_through_the_proxy(runtime: Runtime, c
     its own system prompt. Through the proxy its trajectories carry the engine's token ids,
     logprobs and weight versions, the re-rendered history is spliced back onto the recorded
     tokens (drift counted), the trainer's logprobs match the engine's and a training step runs."""
-    from mmrl.rollout.workers import RolloutWorkers
-
     rt = runtime
-    workers = RolloutWorkers(1, rt.engines, {"name": "auto", "model_path": rt.cfg.model.path}, "openai_agent",
-                             {"agent": f"{REPO}/tests/_openai_agent.py:agent"})
-    try:
-        workers.ready()
-        sampling = SamplingConfig(n=2, max_new_tokens=8, temperature=1.0, seed=4,
-                                  forbidden_token_ids=rt.sampling.forbidden_token_ids)
-        rollout = run_rollout(workers, colors_samples[:4], sampling)
-    finally:
-        workers.close()
+    rollout = _rollout_with(rt, "openai_agent", {"agent": f"{REPO}/tests/_openai_agent.py:agent"},
+                            colors_samples[:4], max_new_tokens=8, seed=4)
     trajectories = [t for g in rollout.groups for t in g]
     for t in trajectories:
         assert t.stats["proxy_calls"] == 2 and t.prompt_ref is not None  # its own system prompt
         mask = np.asarray(t.loss_mask)
-        assert mask.sum() == sum(len(c) for c in [t.response_ids]) - (mask == 0).sum() > 0
+        # two model turns: two runs of sampled tokens, the tool turn and template (mask 0) between them
+        assert mask[0] == 1 and np.count_nonzero(np.diff(mask) == 1) == 1 and (mask == 0).any()
         assert t.tool_state["answer"] is not None and len(t.transcript) == 2
         assert all(v == rt.weight_version for v, m in zip(t.token_versions, t.loss_mask) if m)
         assert all(lp < 0 for lp, m in zip(t.behaviour_logprobs, t.loss_mask) if m)
     assert sum(t.stats["drift"] for t in trajectories) >= 1
     assert sum(t.stats["drift_spliced"] for t in trajectories) == sum(t.stats["drift"] for t in trajectories)
     seqs = make_sequences(rollout.prompts, rollout.groups)
-    chunks, order = plan_forward_only(seqs, world_size=len(rt.trainers), micro_batch_size=8)
-    per_rank = ray.get([tr.compute_logprobs.remote(c) for tr, c in zip(rt.trainers, chunks)])
-    trainer_lps = {i: lp for idx, rank in zip(order, per_rank) for i, lp in zip(idx, rank)}
-    diffs = np.concatenate([np.abs(np.asarray(trainer_lps[i]) - np.asarray(s.behaviour_logprobs))[np.asarray(s.loss_mask) == 1]
-                            for i, s in enumerate(seqs)])
+    diffs = _model_token_diffs(rt, seqs)
     assert diffs.mean() <= 1e-4, diffs.mean()
     for seq, adv in zip(seqs, [1.0, -1.0] * len(seqs)):
         seq.advantage = adv
@@ -218,3 +193,27 @@ def test_an_openai_client_agent_is_trained_through_the_proxy(runtime: Runtime, c
     assert stats[0]["grad_norms"][0] > 0 and stats[0]["skipped_updates"] == 0
     print(f"openai agent: parity mean|d| {diffs.mean():.2e} over {diffs.size} tokens; drift "
           f"{sum(t.stats['drift'] for t in trajectories):.0f} of {len(trajectories) * 2} calls, all spliced")
+
+
+def _rollout_with(rt: Runtime, loop: str, args: dict, samples: list, *, max_new_tokens: int, seed: int):
+    """Two trajectories per sample with agent loop `loop` in a rollout worker of its own, on the
+    module's engine."""
+    from mmrl.rollout.workers import RolloutWorkers
+
+    workers = RolloutWorkers(1, rt.engines, {"name": "auto", "model_path": rt.cfg.model.path}, loop, args)
+    try:
+        workers.ready()
+        sampling = SamplingConfig(n=2, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed,
+                                  forbidden_token_ids=rt.sampling.forbidden_token_ids)
+        return run_rollout(workers, samples, sampling)
+    finally:
+        workers.close()
+
+
+def _model_token_diffs(rt: Runtime, seqs: list) -> np.ndarray:
+    """|trainer logprob - engine logprob| over the tokens the model sampled (loss mask 1)."""
+    chunks, order = plan_forward_only(seqs, world_size=len(rt.trainers), micro_batch_size=8)
+    per_rank = ray.get([tr.compute_logprobs.remote(c) for tr, c in zip(rt.trainers, chunks)])
+    trainer_lps = {i: lp for idx, rank in zip(order, per_rank) for i, lp in zip(idx, rank)}
+    return np.concatenate([np.abs(np.asarray(trainer_lps[i]) - np.asarray(s.behaviour_logprobs))[np.asarray(s.loss_mask) == 1]
+                           for i, s in enumerate(seqs)])

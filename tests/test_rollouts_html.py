@@ -317,3 +317,46 @@ def test_browser_check_catches_errors(tmp_path: Path, browser: Browser) -> None:
     kinds = {e["method"] for e in browser.problems()}
     assert {"Runtime.consoleAPICalled", "Runtime.exceptionThrown", "Log.entryAdded"} <= kinds, kinds
     assert browser.eval("[...document.images].filter(i => i.naturalWidth > 0).length") == 0
+
+
+@pytest.mark.slow
+def test_a_gui_click_training_run_logs_rollouts_the_browser_shows(tiny_model_dir: Path, tmp_path: Path,
+                                                                   browser: Browser) -> None:
+    """A real `mmrl train` of the gui_click task through the multi_turn loop and the gui tool (the
+    test parser clicks on every turn, since a random policy never writes a call): tool turns with
+    screenshots reach the trainer, the steps log rollouts, `mmrl report` renders rollouts.html,
+    and headless Chromium shows every screenshot without an error."""
+    from mmrl.cli import main
+    from mmrl.data.recipes import gui_click
+
+    repo = Path(__file__).resolve().parents[1]
+    data, run_dir = tmp_path / "gui_click", tmp_path / "run"
+    gui_click.build(str(data), train_size=32, heldout_size=4, shard_size=32, seed=0)
+    args = json.dumps({"tools": [{"name": "gui", "args": {"grid": gui_click.GRID}}], "max_turns": 2,
+                       "parser": f"{repo}/tests/_tool_plugins.py:click_top_left", "max_total_tokens": 128})
+    code = main(["train", str(repo / "configs" / "colors_demo.yaml"), f"model.path={tiny_model_dir}",
+                 f"data.train_shards={data}/train-000000.tar", f"data.heldout_shards={data}/heldout-000000.tar",
+                 f"run.output_dir={run_dir}", "run.max_steps=2", "run.time_limit_s=null", "checkpoint.every_steps=0",
+                 "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+                 "rollout.agent_loop=multi_turn", f"rollout.agent_loop_args={args}",
+                 "rollout.engine_args.limit_mm_per_prompt={image: 3, video: 0}", "rollout.engine_args.max_model_len=2048",
+                 "rewards=[{name: tool_success, weight: 1.0, args: {progress_credit: 0.5}}]",
+                 "processor.max_pixels=12544", "eval.every_steps=0", "stability.enabled=false",
+                 "logging.rollouts_every=1", "logging.tensorboard=false", "logging.progress_bar=false"])
+    assert code == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "agent/tool_calls" in r]
+    # two turns: a click (the menu opens, its screenshot comes back), then the last turn
+    assert len(steps) == 2 and all(r["agent/tool_calls"] == 1 and r["agent/tool_images"] == 1 for r in steps)
+    assert all(r["agent/turns"] == 2 for r in steps)
+    records = [json.loads(line) for p in sorted((run_dir / "rollouts").glob("step_*.jsonl"))
+               for line in p.read_text().splitlines()]
+    assert len(records) == 2 * 2 * 2 and all([t["role"] for t in r["transcript"]] == ["assistant", "tool", "assistant"]
+                                             for r in records)
+    assert all("opened menu" in r["transcript"][1]["content"] for r in records)
+    write_report(run_dir, Console(file=io.StringIO()))
+    browser.open((run_dir / "rollouts.html").as_uri())
+    assert browser.problems() == []
+    n_img = _n_images(records)
+    assert n_img == 2 * 2 + 8  # the sample's screenshot on member 0 of each group, one per trajectory from the tool
+    assert browser.eval("[...document.images].filter(i => i.complete && i.naturalWidth > 0).length") == n_img
