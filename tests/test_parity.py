@@ -200,6 +200,7 @@ def _rollout_with(rt: Runtime, loop: str, args: dict, samples: list, *, max_new_
     module's engine."""
     from mmrl.rollout.workers import RolloutWorkers
 
+    rt.push_weights()  # earlier tests of the module may have trained without a sync
     workers = RolloutWorkers(1, rt.engines, {"name": "auto", "model_path": rt.cfg.model.path}, loop, args)
     try:
         workers.ready()

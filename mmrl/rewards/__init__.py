@@ -16,3 +16,4 @@ from mmrl.rewards.variants import RewardTraits, reward, traits_of
 __all__ = ["AVAILABLE_KEYS", "RewardError", "RewardSet", "RewardTraits", "call_reward", "reward",
            "reward_kwargs", "traits_of"]
 from mmrl.rewards import tool_state  # noqa: E402,F401  (registers "tool_success")
+from mmrl.rewards import final_answer  # noqa: E402,F401  (registers "final_answer")

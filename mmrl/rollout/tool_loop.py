@@ -12,7 +12,7 @@ expands them for the trainer afterwards (workers.py, `trainer_view`).
 
 `rollout.agent_loop_args` (all optional but `tools`):
     tools: [{name: image_zoom, args: {...}}, ...]   tool plugins (kind "tool"), built per trajectory
-    parser: hermes            tool-call parser (kind "tool_parser": hermes, compact, or your own)
+    parser: hermes            tool-call parser (kind "tool_parser": hermes, compact, bare, or your own)
     max_turns: 4              model turns at most
     max_total_tokens: 1024    tokens after the prompt at most (model + tool turns)
     tool_timeout_s: 30        a slower call is answered with a tool error

@@ -10,3 +10,4 @@ from mmrl.data.recipes import multi_image  # noqa: F401  (registers "multi_image
 from mmrl.data.recipes import video_motion  # noqa: F401  (registers "video_motion")
 from mmrl.data.recipes import search_qa  # noqa: F401  (registers "search_qa")
 from mmrl.data.recipes import gui_click  # noqa: F401  (registers "gui_click")
+from mmrl.data.recipes import zoom_read  # noqa: F401  (registers "zoom_read")
