@@ -30,7 +30,9 @@ def runtime(tiny_model_dir: Path, colors_dir: Path, tmp_path_factory: pytest.Tem
         f"data.heldout_shards={colors_dir}/heldout-000000.tar",
         f"run.output_dir={tmp_path_factory.mktemp('parity_run')}", "trainer.lr=0.02", "rollout.max_new_tokens=8",
         # room for an image a tool returns in a later turn (the multi-turn test)
-        "rollout.engine_args.limit_mm_per_prompt={image: 2, video: 0}"])
+        "rollout.engine_args.limit_mm_per_prompt={image: 2, video: 0}",
+        # a pixel budget below the model's own: both sides must resize large images to it
+        "processor.max_pixels=12544"])
     rt = start_runtime(cfg)
     yield rt
     rt.close()
@@ -201,7 +203,9 @@ def _rollout_with(rt: Runtime, loop: str, args: dict, samples: list, *, max_new_
     from mmrl.rollout.workers import RolloutWorkers
 
     rt.push_weights()  # earlier tests of the module may have trained without a sync
-    workers = RolloutWorkers(1, rt.engines, {"name": "auto", "model_path": rt.cfg.model.path}, loop, args)
+    spec = {"name": rt.cfg.processor.name, "model_path": rt.cfg.model.path, "min_pixels": rt.cfg.processor.min_pixels,
+            "max_pixels": rt.cfg.processor.max_pixels, "max_prompt_tokens": rt.cfg.processor.max_prompt_tokens}
+    workers = RolloutWorkers(1, rt.engines, spec, loop, args)
     try:
         workers.ready()
         sampling = SamplingConfig(n=2, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed,
@@ -218,3 +222,20 @@ def _model_token_diffs(rt: Runtime, seqs: list) -> np.ndarray:
     trainer_lps = {i: lp for idx, rank in zip(order, per_rank) for i, lp in zip(idx, rank)}
     return np.concatenate([np.abs(np.asarray(trainer_lps[i]) - np.asarray(s.behaviour_logprobs))[np.asarray(s.loss_mask) == 1]
                            for i, s in enumerate(seqs)])
+
+
+def test_parity_on_images_above_the_processor_pixel_budget(runtime: Runtime, colors_samples: list) -> None:
+    """processor.max_pixels reaches the engine's processor too: a 448x448 image is resized to the
+    same 112x112 on both sides (the model's own budget would give the engine 4x the vision
+    tokens, and the trainer's logprobs would not even line up)."""
+    from mmrl.data.sample import Sample
+
+    rt = runtime
+    rt.push_weights()
+    big = [Sample(key=f"big-{i}", messages=s.messages, images=[s.images[0].resize((448, 448))], answer=s.answer)
+           for i, s in enumerate(colors_samples[:4])]
+    rollout = _rollout_with(rt, "single_turn", {}, big, max_new_tokens=4, seed=5)
+    prompt = ray.get(rollout.prompts[0].ref)
+    assert prompt.mm_inputs["image_grid_thw"].tolist() == [[1, 8, 8]]  # 112 / 14 patches a side
+    diffs = _model_token_diffs(rt, make_sequences(rollout.prompts, rollout.groups))
+    assert diffs.size == 4 * 2 * 4 and diffs.mean() <= 1e-4, diffs.mean()

@@ -112,7 +112,8 @@ def start_runtime(cfg: Config) -> Runtime:
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               forbidden_token_ids=forbidden, seed=None)
     plan = placement_plan(cfg, device)
-    llm_kwargs = engine_kwargs(cfg.model.path, cfg.model.dtype.value, cfg.run.seed, cfg.rollout.engine_args)
+    llm_kwargs = engine_kwargs(cfg.model.path, cfg.model.dtype.value, cfg.run.seed, cfg.rollout.engine_args,
+                               min_pixels=cfg.processor.min_pixels, max_pixels=cfg.processor.max_pixels)
     llm_kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
     if device == "cpu":
         llm_kwargs.setdefault("enforce_eager", True)

@@ -50,12 +50,20 @@ PARTIAL_MODES = ("keep", "abort", "wait")
 
 
 def engine_kwargs(model_path: str, dtype: str, seed: int, engine_args: dict[str, Any],
-                  mm_limits: dict[str, int] | None = None) -> dict[str, Any]:
+                  mm_limits: dict[str, int] | None = None, min_pixels: int | None = None,
+                  max_pixels: int | None = None) -> dict[str, Any]:
+    """vLLM's engine arguments. The processor's pixel budget (`processor.min_pixels/max_pixels`)
+    goes to vLLM's own processor too (`mm_processor_kwargs`): otherwise the engine resizes images
+    to the model's default budget and sees other vision tokens than the trainer."""
     kwargs = {**DEFAULT_ENGINE_ARGS, "model": model_path, "dtype": dtype, "seed": seed,
               "worker_extension_cls": WORKER_EXTENSION}
     if mm_limits is not None:
         kwargs["limit_mm_per_prompt"] = mm_limits
-    kwargs.update(engine_args)
+    pixels = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+    if pixels:
+        kwargs["mm_processor_kwargs"] = pixels
+    for key, value in engine_args.items():
+        kwargs[key] = {**kwargs[key], **value} if key == "mm_processor_kwargs" and key in kwargs else value
     return kwargs
 
 

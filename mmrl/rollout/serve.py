@@ -42,7 +42,8 @@ def serve_rollout(cfg: Config, host: str = "127.0.0.1", port: int = 8000, on_dri
     processor = build_processor(cfg.processor.name, cfg.model.path, min_pixels=cfg.processor.min_pixels,
                                 max_pixels=cfg.processor.max_pixels, max_prompt_tokens=cfg.processor.max_prompt_tokens,
                                 trust_remote_code=cfg.model.trust_remote_code)
-    kwargs = engine_kwargs(cfg.model.path, cfg.model.dtype.value, cfg.run.seed, cfg.rollout.engine_args)
+    kwargs = engine_kwargs(cfg.model.path, cfg.model.dtype.value, cfg.run.seed, cfg.rollout.engine_args,
+                           min_pixels=cfg.processor.min_pixels, max_pixels=cfg.processor.max_pixels)
     kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
     if device == "cpu":
         kwargs.setdefault("enforce_eager", True)
