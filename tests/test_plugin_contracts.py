@@ -33,6 +33,8 @@ MODEL_ARGS: dict[str, tuple[str, Callable[[Path], dict]]] = {
 }
 SLOW_REWARDS = {"vlm_judge"}  # starts a vLLM engine in the test process
 PLUGINS = Path(__file__).resolve().parent / "_tool_plugins.py"
+# Agent loops that need arguments to run at all.
+LOOP_ARGS: dict[str, dict] = {"openai_agent": {"agent": f"{Path(__file__).resolve().parent / '_openai_agent.py'}:agent"}}
 
 
 def _names(kind: str) -> list[str]:
@@ -179,10 +181,11 @@ def test_agent_loop_contract(name: str, engine_for_loops: dict, colors_samples: 
     prompt's slot, aligned per-token fields, versions and the engine it ran on; seeded
     trajectories are reproducible."""
     samples = colors_samples[:5]
-    rollout, arrived = _run_loop(engine_for_loops, name, samples, n=3)
+    args = LOOP_ARGS.get(name)
+    rollout, arrived = _run_loop(engine_for_loops, name, samples, n=3, args=args)
     assert sorted(arrived) == list(range(5))
     _check_trajectories(rollout, samples, n=3)
-    again, _ = _run_loop(engine_for_loops, name, samples, n=3)
+    again, _ = _run_loop(engine_for_loops, name, samples, n=3, args=args)
     assert [[t.response_ids for t in g] for g in again.groups] == [[t.response_ids for t in g] for g in rollout.groups]
 
 
