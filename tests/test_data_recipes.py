@@ -332,7 +332,7 @@ def test_gui_click_episodes_are_solved_by_clicking(built, tmp_path):
     for layout, out in (("random", built["gui_click"][0]), ("fixed", None)):
         if out is None:
             out = str(tmp_path / "fixed")
-            info = resolve("dataset", "gui_click")(out, train_size=18, heldout_size=9, shard_size=9, seed=1)
+            resolve("dataset", "gui_click")(out, train_size=18, heldout_size=9, shard_size=9, seed=1)
             assert Counter(r["answer"] for r in records(out, "heldout")) == Counter(
                 e.split("/")[1] for e in gui_click._fixed_tasks())
         samples = load_all(os.path.join(out, "heldout-000000.tar"))
