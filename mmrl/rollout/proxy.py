@@ -74,6 +74,21 @@ class TrajectoryRecord:
         for name in ("response_ids", "loss_mask", "logprobs", "versions"):
             setattr(self, name, getattr(self, name)[:keep])
 
+    def rebase(self, ids: list[int], images: list[Any]) -> None:
+        """Drift without a splice: keep the longest common prefix and continue with `ids` (what the
+        engine will see); when not even the first prompt survives, `ids` is the new first prompt."""
+        tokens = self.tokens
+        common = 0
+        while common < min(len(ids), len(tokens)) and ids[common] == tokens[common]:
+            common += 1
+        if common < len(self.prompt_ids):
+            self.prompt_ids, self.prompt_images = list(ids), list(images)
+            self.response_ids, self.loss_mask, self.logprobs, self.versions = [], [], [], []
+        else:
+            self._cut(common)
+            self._append(ids[common:], 0)
+        self.drift_flagged += 1
+
     def stats(self) -> dict[str, float]:
         return {"proxy_calls": float(self.calls), "drift": float(self.drift),
                 "drift_spliced": float(self.drift_spliced), "drift_flagged": float(self.drift_flagged)}
@@ -175,17 +190,7 @@ class RolloutProxy:
             rec._append(closing + self.processor.tokenizer(after, add_special_tokens=False)["input_ids"], 0)
             rec.drift_spliced += 1
             return rec.tokens
-        common = 0
-        while common < min(len(rendered), len(tokens)) and rendered[common] == tokens[common]:
-            common += 1
-        if common < len(rec.prompt_ids):  # not even the first prompt survived: start over from this request
-            rec.prompt_ids, rec.prompt_images = rendered, list(images)
-            rec._cut(len(rendered))
-            rec.response_ids, rec.loss_mask, rec.logprobs, rec.versions = [], [], [], []
-        else:
-            rec._cut(common)
-            rec._append(rendered[common:], 0)
-        rec.drift_flagged += 1
+        rec.rebase(rendered, images)
         return rendered
 
     async def chat(self, trajectory_id: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -223,15 +228,7 @@ class RolloutProxy:
             rec._append(ids[len(rec.tokens):], 0)
         else:
             rec.drift += 1
-            rec.drift_flagged += 1
-            common = 0
-            while common < min(len(ids), len(rec.tokens)) and ids[common] == rec.tokens[common]:
-                common += 1
-            if common < len(rec.prompt_ids):
-                rec.prompt_ids, rec.response_ids, rec.loss_mask, rec.logprobs, rec.versions = ids, [], [], [], []
-            else:
-                rec._cut(common)
-                rec._append(ids[common:], 0)
+            rec.rebase(ids, [])
         completion = await self._sample(trajectory_id, ids, [], body)
         rec._append(completion.token_ids, 1, completion.logprobs, completion.token_versions)
         rec.completions.append(completion)
