@@ -50,7 +50,7 @@ class Hangs(Tool):
     description = "A tool that never answers in time."
 
     def call(self, function: str, arguments: dict[str, Any]) -> str:
-        time.sleep(3.0)
+        time.sleep(30.0)  # far past any timeout the tests set, however loaded the machine
         return "too late"
 
 
