@@ -2,10 +2,12 @@
 read back with tarfile / PIL / PyAV for the pixel checks and with `load_all` for the stream path."""
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -345,3 +347,82 @@ def test_gui_click_episodes_are_solved_by_clicking(built, tmp_path):
                 result, _ = asyncio.run(run_tool(env, function, arguments, timeout_s=30))
                 assert not result.error and len(result.images) == 1
             assert env.state()["success"] and result.done
+
+
+def test_gui_click_with_marks_or_a_coarser_grid(tmp_path):
+    """`marks=true`: the screenshots carry the tags the tool's marks mode reads and the prompt
+    says `click N`; `grid=N` changes the prompt, and a grid too coarse to hit every target is
+    refused at build time, naming the fix."""
+    import asyncio
+
+    from mmrl.tools.base import run_tool
+    from mmrl.tools.gui import GuiEnvironment, expert_actions, render_screen, spec_from_sample
+
+    build = resolve("dataset", "gui_click")
+    build(str(tmp_path / "marks"), train_size=9, heldout_size=9, shard_size=9, seed=2, marks=True)
+    for s in load_all(str(tmp_path / "marks" / "heldout-000000.tar")):
+        spec = spec_from_sample(s)
+        assert "click N" in s.prompt_text
+        assert np.array_equal(np.asarray(render_screen(spec, marks=True)), np.asarray(s.images[0].convert("RGB")))
+        env = GuiEnvironment(s, marks=True)
+        for function, arguments in expert_actions(spec, marks=True):
+            result, _ = asyncio.run(run_tool(env, function, arguments, timeout_s=30))
+            assert not result.error
+        assert env.state()["success"]
+    build(str(tmp_path / "six"), train_size=9, heldout_size=9, shard_size=9, seed=2, grid=6)
+    assert all("0-5" in s.prompt_text for s in load_all(str(tmp_path / "six" / "heldout-000000.tar")))
+    with pytest.raises(ValueError, match="larger grid"):
+        build(str(tmp_path / "three"), train_size=9, heldout_size=9, shard_size=9, seed=2, grid=3)
+
+
+def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
+    """configs/gui_click.yaml's loop (forced `click` on every turn, marks, two turns) with an
+    engine that writes the expert's two numbers: both names are the loop's tokens (loss mask 0,
+    the second inside the tool turn's span), the model's tokens are the numbers, the desktop
+    reports success and the configured reward scores it 1; a wrong first number opens another
+    menu and earns only the call credit."""
+    import yaml
+
+    from mmrl.processors import build_processor
+    from mmrl.rewards.tool_state import tool_success
+    from mmrl.rollout.agent_loops import AgentContext
+    from mmrl.rollout.tool_loop import multi_turn
+    from mmrl.rollout.types import Completion, RequestSampling
+    from mmrl.tools.gui import expert_actions, spec_from_sample
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "gui_click.yaml").read_text())
+    loop_args = cfg["rollout"]["agent_loop_args"]
+    (reward,) = cfg["rewards"]
+    processor = build_processor("auto", str(tiny_model_dir), max_pixels=cfg["processor"]["max_pixels"])
+    tok = processor.tokenizer
+    resolve("dataset", "gui_click")(str(tmp_path / "g"), train_size=9, heldout_size=9, shard_size=9, seed=2, marks=True)
+    sample = load_all(str(tmp_path / "g" / "heldout-000000.tar"))[0]
+    marks = [a["mark"] for _, a in expert_actions(spec_from_sample(sample), marks=True)]
+
+    class Scripted:
+        def __init__(self, texts):
+            self.texts = list(texts)
+
+        async def generate(self, prompt, sampling):
+            ids = tok(self.texts.pop(0), add_special_tokens=False)["input_ids"][:sampling.max_tokens]
+            return Completion(token_ids=ids, logprobs=[-1.0] * len(ids), text=tok.decode(ids), finish_reason="length")
+
+    def episode(texts):
+        ctx = AgentContext(client=Scripted(texts), processor=processor, args=loop_args,
+                           sampling=RequestSampling(max_tokens=cfg["rollout"]["max_new_tokens"]))
+        return asyncio.run(multi_turn(ctx, sample, processor(sample)))
+
+    t = episode([str(m) for m in marks])
+    assert t.tool_state["success"] and t.stats["turns"] == 2 and t.stats["tool_errors"] == 0
+    assert [turn["content"] for turn in t.transcript if turn["role"] == "assistant"] == [f"click{m}" for m in marks]
+    model_tokens = [i for i, m in zip(t.response_ids, t.loss_mask) if m]
+    assert model_tokens == [tok.convert_tokens_to_ids(str(m)) for m in marks]
+    click = tok("click", add_special_tokens=False)["input_ids"]
+    assert t.response_ids[:len(click)] == click and t.loss_mask[:len(click)] == [0] * len(click)
+    second = t.loss_mask.index(1, len(click) + 1)  # the second model token: "click" just before it
+    assert t.response_ids[second - len(click):second] == click and t.loss_mask[second - len(click):second] == [0] * len(click)
+    assert len(t.response_ids) <= loop_args["max_total_tokens"]
+    assert tool_success(t.tool_state, t.transcript, **reward["args"])["score"] == 1.0
+    wrong = episode([str((marks[0] + 1) % 3), str(marks[1])])
+    assert not wrong.tool_state["success"] and wrong.tool_state["progress"] == 0.0
+    assert tool_success(wrong.tool_state, wrong.transcript, **reward["args"])["score"] == pytest.approx(0.1)

@@ -25,7 +25,7 @@ ZOOM = [{"name": "zoom", "arguments": {"cell": 3}}]
 
 def test_reads_the_last_assistant_turn_not_the_first() -> None:
     transcript = _episode(("zoom3", ZOOM), "Red.")
-    assert final_answer(transcript, "red") == {"score": 1.0, "correct": 1.0, "tool_calls": 1.0}
+    assert final_answer(transcript, "red") == {"score": 1.0, "correct": 1.0, "tool_calls": 1.0, "answer_word": 0.0}
     assert final_answer(_episode("red", ("zoom3", ZOOM)), "red")["correct"] == 0.0  # ended on a call
 
 
@@ -42,8 +42,22 @@ def test_tool_credit_for_any_call_made() -> None:
     assert final_answer(_episode(("zoom3", ZOOM), "blue"), "red", tool_credit=0.1)["score"] == pytest.approx(0.1)
     bad_call = [{"name": "zoom", "arguments": {"cell": 9}}]  # refused by the tool: still an attempt
     assert final_answer(_episode(("zoom9", bad_call), "blue"), "red", tool_credit=0.1)["score"] == pytest.approx(0.1)
-    assert final_answer(_episode("red"), "red", tool_credit=0.1) == {"score": 1.0, "correct": 1.0, "tool_calls": 0.0}
+    assert final_answer(_episode("red"), "red", tool_credit=0.1)["score"] == 1.0
     assert final_answer(_episode("blue"), "red", tool_credit=0.1)["score"] == 0.0
+
+
+def test_word_credit_for_ending_on_an_allowed_word() -> None:
+    words = ["red", "green", "blue"]
+    scored = final_answer(_episode(("zoom3", ZOOM), "Blue"), "red", words=words, word_credit=0.1)
+    assert scored["score"] == pytest.approx(0.1) and scored["answer_word"] == 1.0 and scored["correct"] == 0.0
+    assert final_answer(_episode(("zoom3", ZOOM), "red"), "red", words=words, word_credit=0.1)["score"] == \
+        pytest.approx(1.1)
+    assert final_answer(_episode("purple"), "red", words=words, word_credit=0.1)["score"] == 0.0
+    # a last turn that is a call earns no word credit, even when it starts with one of the words
+    assert final_answer(_episode(("red3", [{"name": "red", "arguments": {}}])), "x", words=words,
+                        word_credit=0.1)["answer_word"] == 0.0
+    with pytest.raises(ValueError, match="word_credit needs `words`"):
+        final_answer(_episode("red"), "red", word_credit=0.1)
 
 
 def test_answer_lists_and_missing_answers() -> None:

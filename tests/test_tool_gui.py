@@ -13,8 +13,8 @@ from PIL import Image
 from mmrl.data.sample import Sample
 from mmrl.registry import resolve
 from mmrl.tools.base import ToolError, ToolResult, run_tool
-from mmrl.tools.gui import (TASKS, DesktopSpec, GuiEnvironment, cell_centre, cell_for_box, expert_actions,
-                            render_screen)
+from mmrl.tools.gui import (MARK_BG, TASKS, DesktopSpec, GuiEnvironment, cell_centre, cell_for_box, clickable,
+                            expert_actions, render_screen)
 
 
 def make_env(spec: DesktopSpec, **args) -> GuiEnvironment:
@@ -231,3 +231,39 @@ def test_run_tool_returns_a_result_with_one_image(click_spec):
     assert result.text == f"opened menu '{click_spec.task.menu}'"
     bad, _ = asyncio.run(run_tool(env, "click", {"x": 10_000, "y": 0}, timeout_s=30))
     assert bad.error and "off the screen" in bad.text
+
+
+# ------------------------------------------------------------------------------- set-of-marks
+
+def test_marks_tag_what_can_be_clicked_and_the_expert_solves_every_task():
+    """marks=True: click(mark) clicks the element whose tag shows that number; the tags follow
+    the state (the open menu's items first) and are drawn on the screenshot."""
+    spec = DesktopSpec.generate(7, task="gui_click")
+    env = make_env(spec, marks=True)
+    (click, _) = env.functions()
+    assert click["function"]["parameters"]["required"] == ["mark"]
+    closed = clickable(spec)
+    assert [e.kind for e in closed] == ["menu"] * 3 + ["field"] + ["button"] * (len(closed) - 4)
+    tagged, plain = env.screenshot(), render_screen(spec)
+    for e in closed:  # a red tag in the element's top-left corner
+        tag = np.asarray(tagged)[e.box[1] + 2:e.box[1] + 14, e.box[0] + 1:e.box[0] + 4].reshape(-1, 3)
+        assert (np.abs(tag.astype(int) - MARK_BG).sum(1) < 30).mean() > 0.5, e.key
+        assert not np.array_equal(crop(tagged, e.box), crop(plain, e.box))
+    menu = [e.label for e in closed].index(spec.task.menu)
+    result = env.call("click", {"mark": menu})
+    assert result.text == f"opened menu '{spec.task.menu}'"
+    items = [e.label for e in clickable(spec, spec.task.menu)]
+    assert items[:len(items) - 2] == [e.label for e in spec.elements if e.kind == "item" and e.menu == spec.task.menu]
+    with pytest.raises(ToolError, match="0 to"):
+        env.call("click", {"mark": len(items)})
+    with pytest.raises(ToolError, match="exactly"):
+        env.call("click", {"x": 1, "y": 2})
+    assert env.call("click", {"mark": items.index(spec.task.item)}).done and env.state()["success"]
+    for seed in range(6):
+        for task in TASKS:
+            spec = DesktopSpec.generate(seed, task=task)
+            env = make_env(spec, marks=True)
+            results = [env.call(f, a) for f, a in expert_actions(spec, marks=True)]
+            assert results[-1].done and env.state()["success"] is True, (seed, task)
+    with pytest.raises(ValueError, match="marks"):
+        make_env(spec, marks=True, grid=8)

@@ -35,7 +35,19 @@ def test_bbox_absolute_and_relative_give_the_same_crop() -> None:
     for result in (absolute, relative):
         (crop,) = result.images
         assert crop.size == (100, 50) and _origin(crop) == (20, 10)
-    assert absolute.text == "zoomed into [20, 10, 120, 60]" and tool.state() == {"zoom_calls": 2}
+    assert absolute.text == "zoomed into [20, 10, 120, 60]"
+    assert tool.state() == {"zoom_calls": 2, "zoom_boxes": [[20, 10, 120, 60], [20, 10, 120, 60]]}
+
+
+def test_state_keeps_every_crop_in_the_sample_images_pixels() -> None:
+    """Nested zooms (crop_from latest, upscaled) are mapped back to the sample image, so a reward
+    can check what was looked at (zoom_on_target)."""
+    tool = ImageZoom(_sample(), crop_from="latest", upscale_to=100)
+    tool.call("image_zoom", {"bbox": [100, 0, 200, 100]})  # 100 px: kept
+    tool.call("image_zoom", {"bbox": [50, 50, 100, 100]})  # a 50-px crop of it, upscaled x2 ...
+    (last,) = tool.call("image_zoom", {"bbox": [0, 0, 50, 50]}).images  # ... of which this quarter
+    assert tool.state()["zoom_boxes"] == [[100, 0, 200, 100], [150, 50, 200, 100], [150, 50, 175, 75]]
+    assert _origin(last) == (150, 50)  # the pixel that says where it came from agrees
 
 
 def test_bbox_is_sorted_clamped_and_grown_to_min_size() -> None:

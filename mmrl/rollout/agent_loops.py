@@ -42,14 +42,15 @@ class AgentContext:
 
 
 def make_trajectory(completions: list[Completion], between: list[tuple[list[int], str]] | None = None,
-                    finish_reason: str | None = None) -> Trajectory:
+                    finish_reason: str | None = None, lead: tuple[list[int], str] | None = None) -> Trajectory:
     """A trajectory from the model's turns and, between turn k and k+1, `between[k]` = (token
-    ids, text) that the loop inserted (tool output, template); those get loss mask 0."""
-    ids: list[int] = []
-    logprobs: list[float] = []
-    mask: list[int] = []
-    versions: list[int] = []
-    text = ""
+    ids, text) that the loop inserted (tool output, template); those get loss mask 0, as does
+    `lead`, what the loop wrote before the first model turn (a forced call's function name)."""
+    ids: list[int] = list(lead[0]) if lead else []
+    logprobs: list[float] = [0.0] * len(ids)
+    mask: list[int] = [0] * len(ids)
+    versions: list[int] = [-1] * len(ids)
+    text = lead[1] if lead else ""
     between = between or []
     for k, c in enumerate(completions):
         ids += c.token_ids

@@ -20,6 +20,16 @@ expands them for the trainer afterwards (workers.py, `trainer_view`).
     tool_role: tool           the chat role of tool turns ("user" for templates without "tool")
     thumbnail_px: 96          tool images enter the transcript as PNG thumbnails this big (0 = none),
                               so logs and rollouts.html show the crops and screenshots the model saw
+    tool_choice: auto         or a function name: a forced call (OpenAI's tool_choice={"function":
+                              ...}). The model turn starts with the name, written by the loop as
+                              environment tokens (loss mask 0); the model writes the arguments.
+                              With the `bare` parser that is what lets a tiny random policy find
+                              a valid call by sampling (one token to guess, not two)
+    tool_choice_turns: null   how many first model turns tool_choice forces (null: every turn)
+    last_turn_calls: drop     what happens to calls in the turn that reaches max_turns: "drop" (a
+                              question-answering loop: nothing would read the result) or "run"
+                              (an environment: the action takes effect, and its state is what
+                              the reward reads; the result enters the transcript, not the tokens)
 """
 from __future__ import annotations
 
@@ -47,6 +57,15 @@ class ToolLoopArgs:
     max_calls_per_turn: int = 4
     tool_role: str = "tool"
     thumbnail_px: int = 96
+    tool_choice: str = "auto"
+    tool_choice_turns: int | None = None
+    last_turn_calls: str = "drop"
+
+    def forced_function(self, turn: int) -> str | None:
+        """The function model turn `turn` (0-based) must call, or None."""
+        if self.tool_choice == "auto" or (self.tool_choice_turns is not None and turn >= self.tool_choice_turns):
+            return None
+        return self.tool_choice
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> "ToolLoopArgs":
@@ -61,6 +80,15 @@ class ToolLoopArgs:
         for i, spec in enumerate(out.tools):
             if not isinstance(spec, dict) or "name" not in spec or set(spec) - {"name", "args"}:
                 raise ValueError(f"rollout.agent_loop_args.tools[{i}] must be {{name: ..., args: {{...}}}}, got {spec!r}")
+        if not isinstance(out.tool_choice, str) or not out.tool_choice.strip():
+            raise ValueError(f"rollout.agent_loop_args.tool_choice must be 'auto' or a function name, got {out.tool_choice!r}")
+        if out.last_turn_calls not in ("drop", "run"):
+            raise ValueError(f"rollout.agent_loop_args.last_turn_calls must be 'drop' or 'run', got {out.last_turn_calls!r}")
+        if out.tool_choice_turns is not None and (isinstance(out.tool_choice_turns, bool)
+                                                  or not isinstance(out.tool_choice_turns, int)
+                                                  or out.tool_choice_turns < 0):
+            raise ValueError("rollout.agent_loop_args.tool_choice_turns must be a non-negative integer or null, "
+                             f"got {out.tool_choice_turns!r}")
         return out
 
 
@@ -99,6 +127,10 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
     tools = build_tools(args.tools, sample)
     owner = {name: tool for tool in tools for name in (f["function"]["name"] for f in tool.functions())}
     functions = [f for tool in tools for f in tool.functions()]
+    if args.tool_choice != "auto" and args.tool_choice not in owner:
+        raise ValueError(f"rollout.agent_loop_args.tool_choice={args.tool_choice!r} is not a function of the configured "
+                         f"tools ({sorted(owner) or 'none'}); name one of them, or set tool_choice=auto "
+                         f"(as you must when the tools are disabled with tools=[])")
     tokenizer, eos = ctx.processor.tokenizer, ctx.processor.eos_token_id
     prompt_ids = list(prompt.vllm_input["prompt_token_ids"])
     media = {k: list(v) if isinstance(v, (list, tuple)) else [v]
@@ -106,13 +138,25 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
     new_images: list[Any] = []
     completions: list[Completion] = []
     between: list[tuple[list[int], str]] = []
+    lead: tuple[list[int], str] = ([], "")  # environment tokens before the first model turn
     transcript: list[dict[str, Any]] = []
     stats = {"turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "tool_seconds": 0.0, "tool_images": 0.0}
     response: list[int] = []
     finish: str | None = None
     try:
         for turn in range(args.max_turns):
+            forced = args.forced_function(turn)
+            forced_ids = tokenizer(forced, add_special_tokens=False)["input_ids"] if forced else []
+            if forced:  # the loop writes the name; it is context, not the model's (mask 0)
+                if turn == 0:
+                    lead = (forced_ids, forced)
+                else:
+                    between[-1] = (between[-1][0] + forced_ids, between[-1][1] + forced)
+                response += forced_ids
             budget = min(ctx.sampling.max_tokens, args.max_total_tokens - len(response))
+            if budget < 1:
+                finish = "length"
+                break
             engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + response}
             if media:
                 engine_prompt["multi_modal_data"] = media
@@ -120,14 +164,15 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
             completions.append(c)
             response += c.token_ids
             stats["turns"] += 1
-            # the parser reads the engine's tokens with special tokens kept: what the model wrote
-            text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
+            # the parser reads the turn as the model wrote it (special tokens kept), forced name first
+            text = (forced or "") + tokenizer.decode(c.token_ids, skip_special_tokens=False)
             calls = parser(text, functions)
-            transcript.append({"role": "assistant", "content": c.text,
+            transcript.append({"role": "assistant", "content": (forced or "") + c.text,
                                "tool_calls": [{"name": k.name, "arguments": k.arguments} for k in calls]})
             finish = c.finish_reason
             # a turn cut by its token limit still counts its complete calls
-            if not calls or turn == args.max_turns - 1:
+            last = turn == args.max_turns - 1
+            if not calls or (last and args.last_turn_calls == "drop"):
                 break
             results: list[ToolResult] = []
             for i, call in enumerate(calls):
@@ -146,6 +191,8 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
                                    if args.thumbnail_px > 0 else []})
             if any(r.done for r in results):
                 finish = "done"
+                break
+            if last:  # the calls took effect; no model turn follows to read their results
                 break
             text_after = render_after_turn(ctx.processor, [_tool_message(args.tool_role, r) for r in results])
             # a turn that ended on a stop string instead of end-of-turn gets its end-of-turn token
@@ -168,7 +215,7 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
                 tool_state.update(tool.state())
             finally:
                 tool.close()
-    trajectory = make_trajectory(completions, between, finish_reason=finish)
+    trajectory = make_trajectory(completions, between, finish_reason=finish, lead=lead)
     trajectory.transcript, trajectory.tool_state, trajectory.stats = transcript, tool_state, stats
     if new_images:
         trajectory.new_media = {"image": new_images}

@@ -31,6 +31,11 @@ Coordinates are pixels of the screenshot by default. With `grid=N` (tool args) t
 cell of an N x N grid instead, click(x=column, y=row) in 0..N-1 meaning that cell's centre pixel,
 so a tiny model emits two small integers. Every target is at least 40 px a side, so with
 N >= max(width, height) / 40 each one contains a cell centre (`expert_actions` finds it).
+With `marks=True` (set-of-marks prompting) every element that can be clicked in the current
+state carries a small numbered tag in the screenshot and the model calls click(mark) with that
+number: one small integer per action. Tags are numbered in a fixed order (`clickable`): menus,
+the field, buttons while no menu is open; the open menu's items, then the other menus, while
+one is.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ from mmrl.registry import register
 from mmrl.tools.base import Tool, ToolError, ToolResult
 
 __all__ = ["DesktopSpec", "Element", "GuiEnvironment", "GuiTask", "TASKS", "cell_centre",
-           "cell_for_box", "expert_actions", "render_screen", "spec_from_sample"]
+           "cell_for_box", "clickable", "expert_actions", "render_screen", "spec_from_sample"]
 
 TASKS = ("gui_click", "gui_button", "gui_type")
 MENU_NAMES = ("File", "Edit", "View", "Tools", "Window", "Help")
@@ -69,6 +74,7 @@ KINDS = ("menu", "item", "button", "field", "label")
 COMMANDS = ("item", "button")  # clicking one ends the episode
 
 INK, GREY, WHITE, FOCUS = (30, 30, 30), (150, 150, 150), (255, 255, 255), (40, 100, 220)
+MARK_BG = (200, 30, 30)  # set-of-marks tags: white digits on red, in each element's top-left corner
 BAR_BG, WINDOW_BG, TITLE_BG, BUTTON_BG, HILITE = (225, 225, 225), (240, 240, 240), (50, 70, 120), \
     (205, 210, 220), (40, 80, 170)
 
@@ -277,10 +283,20 @@ def _rect(draw: ImageDraw.ImageDraw, box: list[int], fill: Any, outline: Any = N
     draw.rectangle([box[0], box[1], box[2] - 1, box[3] - 1], fill=fill, outline=outline, width=width)
 
 
+def clickable(spec: DesktopSpec, open_menu: str | None = None) -> list[Element]:
+    """What a click can hit in a state, in set-of-marks order (see the module docstring)."""
+    menus = [e for e in spec.elements if e.kind == "menu"]
+    if open_menu is not None:
+        return [e for e in spec.elements if e.kind == "item" and e.menu == open_menu] + \
+            [e for e in menus if e.label != open_menu]
+    return menus + [e for e in spec.elements if e.kind == "field"] + [e for e in spec.elements if e.kind == "button"]
+
+
 def render_screen(spec: DesktopSpec, open_menu: str | None = None, focused: bool = False,
-                  text: str = "") -> Image.Image:
+                  text: str = "", marks: bool = False) -> Image.Image:
     """The screenshot (RGB, spec.width x spec.height) of `spec` in a state: which menu is open,
-    whether the field has focus, what it holds. `render_screen(spec)` is the initial screen."""
+    whether the field has focus, what it holds, and (`marks`) the set-of-marks tags.
+    `render_screen(spec)` is the initial screen."""
     img = Image.new("RGB", (spec.width, spec.height), tuple(spec.background))
     draw = ImageDraw.Draw(img)
     wx0, wy0, wx1, wy1 = spec.window
@@ -312,6 +328,11 @@ def render_screen(spec: DesktopSpec, open_menu: str | None = None, focused: bool
         if e.kind == "item" and e.menu == open_menu:
             _rect(draw, e.box, fill=WHITE, outline=GREY)
             _text(draw, e.box, e.label, INK, left=12)
+    if marks:
+        for number, e in enumerate(clickable(spec, open_menu)):
+            tag = [e.box[0], e.box[1], e.box[0] + 9 * len(str(number)) + 5, e.box[1] + 16]
+            _rect(draw, tag, fill=MARK_BG)
+            _text(draw, tag, str(number), WHITE)
     return img
 
 
@@ -332,16 +353,20 @@ def cell_for_box(box: list[int], width: int, height: int, grid: int) -> tuple[in
     return c, r
 
 
-def expert_actions(spec: DesktopSpec, grid: int | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """The calls (function, arguments) that solve the spec's task, in pixels or grid cells."""
-    def click(key: str) -> tuple[str, dict[str, Any]]:
+def expert_actions(spec: DesktopSpec, grid: int | None = None,
+                   marks: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The calls (function, arguments) that solve the spec's task, in pixels, grid cells or
+    set-of-marks numbers."""
+    def click(key: str, open_menu: str | None = None) -> tuple[str, dict[str, Any]]:
         e = spec.element(key)
+        if marks:
+            return "click", {"mark": [c.key for c in clickable(spec, open_menu)].index(e.key)}
         x, y = e.centre if grid is None else cell_for_box(e.box, spec.width, spec.height, grid)
         return "click", {"x": x, "y": y}
 
     t = spec.task
     if t.kind == "gui_click":
-        return [click("menu:" + t.menu), click(t.target_key())]
+        return [click("menu:" + t.menu), click(t.target_key(), open_menu=t.menu)]
     if t.kind == "gui_button":
         return [click(t.target_key())]
     return [click("field"), ("type", {"text": t.text}), click(t.target_key())]
@@ -368,9 +393,14 @@ class GuiEnvironment(Tool):
     name = "gui"
     description = "A desktop screen you operate by clicking and typing."
 
-    def __init__(self, sample: Any = None, grid: int | None = None, max_steps: int | None = None):
+    def __init__(self, sample: Any = None, grid: int | None = None, max_steps: int | None = None,
+                 marks: bool = False):
         super().__init__(sample)
         self.spec = spec_from_sample(sample)
+        if not isinstance(marks, bool) or (marks and grid is not None):
+            raise ValueError(f"gui: marks must be true or false, and not combined with grid (got marks={marks!r}, "
+                             f"grid={grid!r})")
+        self.marks = marks
         if grid is not None and not (isinstance(grid, int) and 2 <= grid <= min(self.spec.width, self.spec.height)):
             raise ValueError(f"gui: grid must be an int in 2..{min(self.spec.width, self.spec.height)}, got {grid!r}")
         if max_steps is not None and not (isinstance(max_steps, int) and max_steps >= 1):
@@ -385,7 +415,10 @@ class GuiEnvironment(Tool):
 
     def functions(self) -> list[dict[str, Any]]:
         w, h = self.spec.width, self.spec.height
-        if self.grid:
+        if self.marks:
+            desc = "Click the element tagged with a number in the screenshot."
+            xy = {"mark": {"type": "integer", "minimum": 0, "description": "the number on the element's tag"}}
+        elif self.grid:
             n = self.grid
             desc = f"Click the centre of a cell of the screen divided into a {n}x{n} grid."
             xy = {"x": {"type": "integer", "minimum": 0, "maximum": n - 1, "description": "column, 0 = left"},
@@ -396,12 +429,12 @@ class GuiEnvironment(Tool):
                   "y": {"type": "integer", "minimum": 0, "maximum": h - 1, "description": "pixels from the top"}}
         text = {"text": {"type": "string", "description": "characters to append to the focused text field"}}
         return [{"type": "function", "function": {"name": "click", "description": desc,
-                 "parameters": {"type": "object", "properties": xy, "required": ["x", "y"]}}},
+                 "parameters": {"type": "object", "properties": xy, "required": sorted(xy)}}},
                 {"type": "function", "function": {"name": "type", "description": "Type into the focused text field.",
                  "parameters": {"type": "object", "properties": text, "required": ["text"]}}}]
 
     def screenshot(self) -> Image.Image:
-        return render_screen(self.spec, self.open_menu, self.focused, self.text)
+        return render_screen(self.spec, self.open_menu, self.focused, self.text, self.marks)
 
     def to_pixels(self, x: Any, y: Any) -> tuple[int, int]:
         """Validated click arguments -> a pixel of the screen (ToolError if they are bad)."""
@@ -418,18 +451,32 @@ class GuiEnvironment(Tool):
             return cell_centre(int(x), int(y), self.spec.width, self.spec.height, self.grid)
         return int(x), int(y)
 
+    def mark_pixel(self, mark: Any) -> tuple[int, int]:
+        """The centre of the element tagged `mark` in the current screenshot (ToolError if none)."""
+        tagged = clickable(self.spec, self.open_menu)
+        if isinstance(mark, float) and mark.is_integer():
+            mark = int(mark)
+        if isinstance(mark, bool) or not isinstance(mark, int) or not 0 <= mark < len(tagged):
+            raise ToolError(f"mark must be one of the numbers on screen, 0 to {len(tagged) - 1}, got {mark!r}")
+        return tagged[mark].centre
+
     def call(self, function: str, arguments: dict[str, Any]) -> ToolResult:
         self.steps += 1
         try:
             if self.done:
                 raise ToolError("the episode is over; no more actions")
+            click = "click(mark)" if self.marks else "click(x, y)"
             if function not in ("click", "type"):
-                raise ToolError(f"unknown function {function!r}; use click(x, y) or type(text)")
-            wanted = {"x", "y"} if function == "click" else {"text"}
+                raise ToolError(f"unknown function {function!r}; use {click} or type(text)")
+            wanted = ({"mark"} if self.marks else {"x", "y"}) if function == "click" else {"text"}
             if not isinstance(arguments, dict) or set(arguments) != wanted:
                 raise ToolError(f"{function} takes exactly {sorted(wanted)}, got {arguments!r}")
-            text = self._click(*self.to_pixels(arguments["x"], arguments["y"])) if function == "click" \
-                else self._type(arguments["text"])
+            if function == "type":
+                text = self._type(arguments["text"])
+            elif self.marks:
+                text = self._click(*self.mark_pixel(arguments["mark"]))
+            else:
+                text = self._click(*self.to_pixels(arguments["x"], arguments["y"]))
         except ToolError as e:
             self.errors += 1
             if self._used_last_step():

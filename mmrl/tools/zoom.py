@@ -64,6 +64,8 @@ class ImageZoom(Tool):
         self.grid = grid
         self.function = function or self.name
         self.latest: Any = None
+        self.latest_origin = (0.0, 0.0, 1.0)  # latest crop -> sample image: x = ox + u / scale
+        self.boxes: list[list[float]] = []  # every crop, in the sample image's pixels
         self.calls = 0
 
     def functions(self) -> list[dict[str, Any]]:
@@ -83,7 +85,9 @@ class ImageZoom(Tool):
         index = 0 if self.grid is not None else arguments.get("image", 0)
         if not isinstance(index, int) or not 0 <= index < len(images):
             raise ToolError(f"image must be an index below {len(images)}, got {index!r}")
-        image = self.latest if self.crop_from == "latest" and self.latest is not None else images[index]
+        nested = self.crop_from == "latest" and self.latest is not None
+        image = self.latest if nested else images[index]
+        ox, oy, scale = self.latest_origin if nested else (0.0, 0.0, 1.0)
         if self.grid is None:
             box = crop_box(arguments.get("bbox"), image.width, image.height, self.min_size)
             what = str(list(box))
@@ -92,15 +96,18 @@ class ImageZoom(Tool):
             box = cell_box(cell, self.grid, image.width, image.height)
             what = f"cell {cell}"
         crop = image.crop(box)
+        x1, y1 = ox + box[0] / scale, oy + box[1] / scale
+        self.boxes.append([x1, y1, ox + box[2] / scale, oy + box[3] / scale])
         if self.upscale_to and max(crop.size) < self.upscale_to:
-            scale = self.upscale_to / max(crop.size)
-            crop = crop.resize((max(1, round(crop.width * scale)), max(1, round(crop.height * scale))))
-        self.latest = crop
+            up = self.upscale_to / max(crop.size)
+            crop = crop.resize((max(1, round(crop.width * up)), max(1, round(crop.height * up))))
+            scale *= crop.width / (box[2] - box[0])
+        self.latest, self.latest_origin = crop, (x1, y1, scale)
         self.calls += 1
         return ToolResult(text=f"zoomed into {what}", images=[crop])
 
     def state(self) -> dict[str, Any]:
-        return {"zoom_calls": self.calls}
+        return {"zoom_calls": self.calls, "zoom_boxes": [list(b) for b in self.boxes]}
 
 
 def _cell_argument(arguments: dict[str, Any], grid: int) -> int:

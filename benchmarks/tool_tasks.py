@@ -1,0 +1,138 @@
+"""Do the tool tasks learn, and do they need the tool? zoom_read and gui_click from a random tiny
+VLM, with the tools and without them (the control), held-out success vs steps, per seed.
+
+    .venv/bin/python benchmarks/tool_tasks.py [--tasks zoom_read gui_click] [--seeds 0] \
+        [--arms tools no_tools] [--target 0.9] [--max-steps 400]
+
+Each (task, arm, seed) runs the real `mmrl train configs/<task>.yaml` as its own process (vLLM
+engine, the multi_turn agent loop with the task's tool, 2 ZeRO-3 ranks, Ray). The `tools` arm is
+the config as shipped and stops once held-out success reaches --target; the `no_tools` arm is the
+same config with `rollout.agent_loop_args.tools=[]` and `tool_choice=auto` (one free answer, no
+call possible) and runs the whole step budget. The recipes' data and the tiny models are built
+first if missing (the commands in each config's header). Writes benchmarks/results/tool_tasks.json
+and tool_tasks.png (a panel per task) and prints one row per run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from mmrl.models.tiny_vlm import DEFAULT_WORDS  # noqa: E402
+
+COLOURS = "red,green,blue,yellow,purple,orange"
+# What each config's header says to build: (data build args, tiny-model words).
+ASSETS = {
+    "zoom_read": (["zoom_read", "--out", "work/data/zoom_read"], "work/tiny-vlm-zoom", f"{COLOURS},zoom"),
+    "gui_click": (["gui_click", "--out", "work/data/gui_click", "marks=true"], "work/tiny-vlm-gui",
+                  ",".join(DEFAULT_WORDS) + ",click,file,edit,view,new,open,save,print,undo,copy,paste,find,zoom"),
+}
+NO_TOOLS = ["rollout.agent_loop_args.tools=[]", "rollout.agent_loop_args.tool_choice=auto"]
+
+
+def mmrl(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "mmrl.cli", *args], cwd=REPO, check=True,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def ensure_assets(task: str) -> None:
+    build, model, words = ASSETS[task]
+    if not (REPO / build[2] / "dataset.json").exists():
+        mmrl("data", "build", *build)
+    if not (REPO / model / "config.json").exists():
+        mmrl("tiny-model", "--arch", "qwen2_5_vl", "--out", model, "--words", words)
+
+
+def run(task: str, arm: str, seed: int, target: float, max_steps: int, extra: list[str], out_root: Path) -> dict:
+    run_dir = out_root / f"{task}-{arm}-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume from an old checkpoint
+    overrides = [f"run.seed={seed}", f"run.output_dir={run_dir}", f"run.max_steps={max_steps}",
+                 "run.time_limit_s=7200", "logging.progress_bar=false", "logging.console_every=25"]
+    if arm == "tools":
+        overrides.append(f"run.stop_at_heldout_accuracy={target}")
+    else:
+        overrides += NO_TOOLS
+    cmd = [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / f"{task}.yaml"), *overrides, *extra]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    total = time.time() - t0
+    (out_root / f"{run_dir.name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{run_dir.name} failed (exit {proc.returncode}); see {out_root}/{run_dir.name}.log")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    curve = [(r["step"], r["eval/heldout_accuracy"], r["time/wall_s"]) for r in rows if "eval/heldout_accuracy" in r]
+    hit = next(((s, w) for s, a, w in curve if a >= target), None)
+    calls = [r["agent/tool_calls"] for r in rows if "agent/tool_calls" in r]
+    return {"task": task, "arm": arm, "seed": seed, "command": " ".join(["mmrl", "train", f"configs/{task}.yaml",
+                                                                         *overrides[:1], *overrides[6:], *extra]),
+            "curve": curve, "steps_to_target": hit[0] if hit else None,
+            "train_wall_to_target_s": hit[1] if hit else None, "total_wall_s": total,
+            "final_success": curve[-1][1], "best_success": max(a for _, a, _ in curve),
+            "steps": rows[-1]["step"], "mean_tool_calls_last_10": sum(calls[-10:]) / max(1, len(calls[-10:])),
+            "mean_step_s": sum(r.get("time/step_s", 0.0) for r in rows) / max(1, len(rows) - 1)}
+
+
+def plot(results: list[dict], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in results}, key=list(ASSETS).index)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for r in (r for r in results if r["task"] == task):
+            steps, acc, _ = zip(*r["curve"])
+            ax.plot(steps, acc, ls="-" if r["arm"] == "tools" else ":",
+                    label=f"{'with tool' if r['arm'] == 'tools' else 'tools disabled'}, seed {r['seed']}")
+        ax.axhline(target, color="grey", ls="--", lw=1)
+        ax.set_title(task)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out success (greedy)")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=8)
+    fig.suptitle("tool tasks: tiny Qwen2.5-VL from random init, GRPO, multi_turn loop, 2 CPU cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="+", default=list(ASSETS), choices=list(ASSETS))
+    ap.add_argument("--arms", nargs="+", default=["tools", "no_tools"], choices=["tools", "no_tools"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--merge", action="store_true", help="keep the other runs already in the JSON")
+    ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
+    args = ap.parse_args()
+    out = Path(args.out)
+    runs_root = out / "runs" / "tool_tasks"
+    runs_root.mkdir(parents=True, exist_ok=True)
+    path = out / "tool_tasks.json"
+    results = json.loads(path.read_text())["runs"] if args.merge and path.exists() else []
+    for task in args.tasks:
+        ensure_assets(task)
+        for arm in args.arms:
+            for seed in args.seeds:
+                r = run(task, arm, seed, args.target, args.max_steps, args.overrides, runs_root)
+                results = [x for x in results if (x["task"], x["arm"], x["seed"]) != (task, arm, seed)] + [r]
+                print(f"{task:10s} {arm:9s} seed {seed}: steps to {args.target}: {r['steps_to_target']}, "
+                      f"seconds {r['train_wall_to_target_s'] and round(r['train_wall_to_target_s'])}, "
+                      f"best {r['best_success']:.3f}, final {r['final_success']:.3f} after {r['steps']} steps, "
+                      f"{r['mean_step_s']:.2f} s/step", flush=True)
+                path.write_text(json.dumps({"target": args.target, "max_steps": args.max_steps, "runs": results},
+                                           indent=1))
+    plot(results, args.target, out / "tool_tasks.png")
+
+
+if __name__ == "__main__":
+    main()

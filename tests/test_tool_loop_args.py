@@ -1,0 +1,37 @@
+"""`rollout.agent_loop_args` of the multi_turn loop: what each key accepts, and the message a
+wrong value gets. The loop itself runs in test_plugin_contracts.py (real engine) and in the
+scripted episodes of test_data_zoom_read.py and test_data_recipes.py (the shipped configs)."""
+from __future__ import annotations
+
+import pytest
+
+from mmrl.rollout.tool_loop import ToolLoopArgs
+
+
+def test_defaults_force_nothing_and_drop_last_turn_calls() -> None:
+    args = ToolLoopArgs.from_dict({})
+    assert args.tool_choice == "auto" and args.last_turn_calls == "drop"
+    assert [args.forced_function(t) for t in range(3)] == [None, None, None]
+
+
+def test_tool_choice_forces_a_function_for_the_first_turns() -> None:
+    every = ToolLoopArgs.from_dict({"tool_choice": "click"})
+    assert [every.forced_function(t) for t in range(3)] == ["click"] * 3
+    first = ToolLoopArgs.from_dict({"tool_choice": "zoom", "tool_choice_turns": 1})
+    assert [first.forced_function(t) for t in range(3)] == ["zoom", None, None]
+    assert ToolLoopArgs.from_dict({"tool_choice": "zoom", "tool_choice_turns": 0}).forced_function(0) is None
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"tool_chioce": "zoom"}, "unknown key"),
+    ({"tool_choice": ""}, "tool_choice must be"),
+    ({"tool_choice": 3}, "tool_choice must be"),
+    ({"tool_choice": "zoom", "tool_choice_turns": -1}, "tool_choice_turns"),
+    ({"tool_choice": "zoom", "tool_choice_turns": True}, "tool_choice_turns"),
+    ({"last_turn_calls": "keep"}, "last_turn_calls"),
+    ({"max_turns": 0}, "max_turns"),
+    ({"tools": [{"name": "gui", "arg": {}}]}, "tools\\[0\\]"),
+])
+def test_bad_values_are_named(args: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ToolLoopArgs.from_dict(args)
