@@ -147,16 +147,16 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
         for turn in range(args.max_turns):
             forced = args.forced_function(turn)
             forced_ids = tokenizer(forced, add_special_tokens=False)["input_ids"] if forced else []
+            budget = min(ctx.sampling.max_tokens, args.max_total_tokens - len(response) - len(forced_ids))
+            if budget < 1:
+                finish = "length"
+                break
             if forced:  # the loop writes the name; it is context, not the model's (mask 0)
                 if turn == 0:
                     lead = (forced_ids, forced)
                 else:
                     between[-1] = (between[-1][0] + forced_ids, between[-1][1] + forced)
                 response += forced_ids
-            budget = min(ctx.sampling.max_tokens, args.max_total_tokens - len(response))
-            if budget < 1:
-                finish = "length"
-                break
             engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + response}
             if media:
                 engine_prompt["multi_modal_data"] = media

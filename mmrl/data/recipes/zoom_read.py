@@ -1,11 +1,20 @@
 """The zoom task: "What colour is the small square in the framed cell?", answerable only after
 zooming into that cell.
 
-A grey image is divided into a grid x grid grid (2 x 2). ONE cell has a dark frame and holds a
-glyph: a square of one of the six `COLOURS`, drawn as a one-pixel checkerboard of the colour and
-its complement (255 - each channel). Each other cell holds a grey checkerboard distractor (3 in 4)
-or nothing. The frame is plain in the downscaled full view, so a policy can learn WHERE to zoom
-from it; the colour can only be read from the zoomed cell (`image_zoom` with `grid: 2`).
+A grey image is divided into a grid x grid grid (2 x 2), each cell faintly tinted with a hue of
+its own (the same for a cell index in every image). ONE cell has a dark frame and holds a glyph:
+a square of one of the six `COLOURS`, drawn as a one-pixel checkerboard of the colour and its
+complement (255 - each channel). Each other cell holds a grey checkerboard distractor (3 in 4) or
+nothing. The frame is plain in the downscaled full view, so a policy can learn WHERE to zoom from
+it; the colour can only be read from the zoomed cell (`image_zoom` with `grid: 2`).
+
+Why the tints: which cell is framed must show in what the vision tokens hold, not only in where
+they are. A framed cell's tokens look alike whichever cell it is (a dark corner of a frame), and
+a rotary-position model carries positions in its attention weights, not in the values it reads,
+so telling cell 1 from cell 2 is a hard positional problem for a tiny random model (with plain
+grey cells its zooms stayed on the right cell at chance, 0.2-0.25, for 90 steps). With a tint
+per cell "the framed cell" is "the frame around the green-grey cell": content, like the colours
+demo's answer. The tints are zero-mean over the three channels and do not touch the glyph.
 
     mmrl data build zoom_read --out DIR     # -> DIR/train-000000.tar ..., DIR/heldout-000000.tar
 
@@ -15,8 +24,10 @@ full image at half size, and downscaling averages each 2 x 2 block of the checke
 (C + 255 - C) / 2 = 127.5 in every channel, whatever the colour C: the glyph becomes a grey
 square like every distractor, not a faint tint a model could learn to read. A zoomed 112-px cell
 is shown at its native size, pixel for pixel: the checkerboard, and with it the colour, is there.
-The glyph is one 14-px slot, aligned to the slot grid, so it fills exactly one vision patch of
-the zoomed view. tests/test_data_zoom_read.py measures all this through the real processor.
+The glyph is a 28-px square aligned to a 28-px grid, so it fills exactly one vision token of the
+zoomed view (2 x 2 patches of 14 px, merged); a 14-px glyph (one patch of four in its token) was
+not read by the tiny model in 270 steps although it zoomed to the right cell 97% of the time.
+tests/test_data_zoom_read.py measures all this through the real processor.
 
 Each sample is `KEY.json` ({"prompt", "answer", "metadata": {"split", "index", "colour", "cell",
 "box", "distractors"}}; box is [x1, y1, x2, y2] of the glyph in pixels, x2/y2 exclusive;
@@ -33,7 +44,7 @@ from mmrl.data.recipes._common import (COLOURS, background, build_splits, encode
                                        normalise_image_format)
 from mmrl.registry import register
 
-__all__ = ["PROMPT", "build", "checkerboard", "draw"]
+__all__ = ["PROMPT", "build", "cell_tint", "checkerboard", "draw"]
 
 PROMPT = "What colour is the small square in the framed cell? Zoom in, then answer with one word."
 FRAME_GREY = 40.0  # dark against the ~128 background, so the frame stands out in the full view
@@ -49,55 +60,63 @@ def checkerboard(img: np.ndarray, x0: int, y0: int, side: int, colour: np.ndarra
     img[y0:y0 + side, x0:x0 + side] = np.where(((xs + ys) % 2 == 0)[..., None], c, 255.0 - c)
 
 
-def draw(colour: str, rng: np.random.Generator, size: int = 224, grid: int = 2, slot: int = 14,
-         frame: int = 12, noise_std: float = 0.0) -> tuple[np.ndarray, dict[str, Any]]:
+def cell_tint(cell: int, cells: int, amplitude: float) -> np.ndarray:
+    """The RGB offset of a cell: hue 360° x cell / cells, zero-mean over the channels."""
+    hue = 2 * np.pi * cell / cells
+    return amplitude * np.cos(hue - np.array([0.0, 2 * np.pi / 3, 4 * np.pi / 3]))
+
+
+def draw(colour: str, rng: np.random.Generator, size: int = 224, grid: int = 2, glyph: int = 28,
+         frame: int = 12, tint: float = 25.0, noise_std: float = 0.0) -> tuple[np.ndarray, dict[str, Any]]:
     """uint8 (size, size, 3) and what was drawn (see the module docstring).
 
-    Glyphs fill one `slot`-pixel square aligned to the cell's slot grid, never in the outer two
-    rings of slots: with the default budget a slot is one vision patch of the zoomed cell and two
-    slots are one patch of the full view, so the frame never shares a patch with a glyph."""
+    Glyphs are `glyph`-pixel squares aligned to a grid of that size inside their cell, never in
+    its outer ring (where the frame is): with the defaults a glyph is one vision token of the
+    zoomed cell and one patch of the full view, and never shares either with the frame."""
     if colour not in COLOURS:
         raise ValueError(f"unknown colour {colour!r}; colours are: {', '.join(COLOURS)}")
     cell_px = size // grid if grid >= 1 else 0
-    if cell_px < 1 or size % grid or cell_px % slot or cell_px // slot < 5:
-        raise ValueError(f"size {size} must split into {grid} x {grid} cells of at least 5 slots of {slot} px")
-    if slot % 2:
-        raise ValueError(f"slot must be even (a checkerboard averages out over 2 x 2 blocks), got {slot}")
-    if not 0 < frame < slot:
-        raise ValueError(f"frame must be between 1 and slot - 1 ({slot - 1}) pixels, got {frame}")
+    if cell_px < 1 or size % grid or glyph < 2 or cell_px % glyph or cell_px // glyph < 3:
+        raise ValueError(f"size {size} must split into {grid} x {grid} cells of at least 3 x 3 glyphs of {glyph} px")
+    if glyph % 2:
+        raise ValueError(f"glyph must be even (a checkerboard averages out over 2 x 2 blocks), got {glyph}")
+    if not 0 < frame < glyph:
+        raise ValueError(f"frame must be between 1 and glyph - 1 ({glyph - 1}) pixels, got {frame}")
     # The order of the draws from `rng` is part of the output: keep it.
     img = background(rng, size)
-    bg = img[0, 0].copy()
+    for c in range(grid * grid):
+        r, k = divmod(c, grid)
+        img[r * cell_px:(r + 1) * cell_px, k * cell_px:(k + 1) * cell_px] += cell_tint(c, grid * grid, tint)
     cell = int(rng.integers(grid * grid))
 
     def place(c: int) -> tuple[int, int]:
-        """The top-left corner of a random inner slot of cell `c`."""
-        sx, sy = (int(v) for v in rng.integers(2, cell_px // slot - 2, 2))
+        """The top-left corner of a random inner glyph position of cell `c`."""
+        sx, sy = (int(v) for v in rng.integers(1, cell_px // glyph - 1, 2))
         row, col = divmod(c, grid)
-        return col * cell_px + sx * slot, row * cell_px + sy * slot
+        return col * cell_px + sx * glyph, row * cell_px + sy * glyph
 
     row, col = divmod(cell, grid)
     y0, x0 = row * cell_px, col * cell_px
-    dark = FRAME_GREY + rng.normal(0.0, 5.0)
-    img[y0:y0 + cell_px, x0:x0 + cell_px] = dark
-    img[y0 + frame:y0 + cell_px - frame, x0 + frame:x0 + cell_px - frame] = bg
+    inside = img[y0 + frame:y0 + cell_px - frame, x0 + frame:x0 + cell_px - frame].copy()
+    img[y0:y0 + cell_px, x0:x0 + cell_px] = FRAME_GREY + rng.normal(0.0, 5.0)
+    img[y0 + frame:y0 + cell_px - frame, x0 + frame:x0 + cell_px - frame] = inside
     gx, gy = place(cell)
-    checkerboard(img, gx, gy, slot, jittered(colour, rng))
+    checkerboard(img, gx, gy, glyph, jittered(colour, rng))
     distractors = []
     for c in range(grid * grid):
         if c == cell or rng.random() >= DISTRACTOR_P:
             continue
         dx, dy = place(c)
         level = 127.5 + rng.choice((-1.0, 1.0)) * rng.uniform(35.0, 70.0)
-        checkerboard(img, dx, dy, slot, np.full(3, level, np.float32))
+        checkerboard(img, dx, dy, glyph, np.full(3, level, np.float32))
         distractors.append(c)
-    info = {"cell": cell, "box": [gx, gy, gx + slot, gy + slot], "distractors": distractors}
+    info = {"cell": cell, "box": [gx, gy, gx + glyph, gy + glyph], "distractors": distractors}
     return finish(img, rng, noise_std), info
 
 
 @register("dataset", "zoom_read")
 def build(out_dir: str, *, train_size: int = 4096, heldout_size: int = 128, image_size: int = 224,
-          grid: int = 2, noise_std: float = 0.0, shard_size: int = 1024, seed: int = 0,
+          grid: int = 2, tint: float = 25.0, noise_std: float = 0.0, shard_size: int = 1024, seed: int = 0,
           image_format: str = "png") -> dict[str, Any]:
     """The zoom task: name the colour of the checkerboard square in the framed cell of a grid x
     grid image; the answer is the colour word. Meant for `image_zoom` in grid mode with the pixel
@@ -107,14 +126,14 @@ def build(out_dir: str, *, train_size: int = 4096, heldout_size: int = 128, imag
     fmt = normalise_image_format(image_format)
 
     def make(colour: str, rng: np.random.Generator, split: str, i: int) -> dict[str, Any]:
-        pixels, info = draw(colour, rng, image_size, grid, noise_std=noise_std)
+        pixels, info = draw(colour, rng, image_size, grid, tint=tint, noise_std=noise_std)
         meta = {"split": split, "index": i, "colour": colour, **info}
         return {"json": {"prompt": PROMPT, "answer": colour, "metadata": meta}, fmt: encode_image(pixels, fmt)}
 
     return build_splits(
         out_dir, recipe="zoom_read",
         args={"train_size": train_size, "heldout_size": heldout_size, "image_size": image_size, "grid": grid,
-              "noise_std": noise_std, "shard_size": shard_size, "seed": seed, "image_format": fmt},
+              "tint": tint, "noise_std": noise_std, "shard_size": shard_size, "seed": seed, "image_format": fmt},
         labels=list(COLOURS), salt=0x200F, make=make, train_size=train_size,
         heldout_size=heldout_size, shard_size=shard_size, seed=seed,
         extra={"prompt": PROMPT, "answers": list(COLOURS)})
