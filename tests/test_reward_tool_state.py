@@ -20,10 +20,14 @@ def _transcript(*tool_errors: bool) -> list[dict]:
 def test_tool_success_ladder() -> None:
     credits = dict(progress_credit=0.5, call_credit=0.1, attempt_credit=0.05)
     assert tool_success({"success": True, "progress": 1.0}, _transcript(False, False), **credits)["score"] == 1.0
-    assert tool_success({"progress": 0.5}, _transcript(False, True), **credits)["score"] == pytest.approx(0.35)
+    assert tool_success({"progress": 0.5}, _transcript(False, True), **credits)["score"] == pytest.approx(0.3)
+    assert tool_success({"progress": 0.5}, _transcript(False, False), **credits)["score"] == pytest.approx(0.35)
     assert tool_success({"progress": 0.0}, _transcript(False), **credits)["score"] == pytest.approx(0.1)
     assert tool_success({"progress": 0.0}, _transcript(True, True), **credits)["score"] == pytest.approx(0.05)
     assert tool_success({}, [{"role": "assistant", "content": "hi"}], **credits)["score"] == 0.0
+    # a turn that is no call at all is an action not taken: half the turns accepted, half the credit
+    no_call = {"role": "assistant", "content": "clicko", "tool_calls": []}
+    assert tool_success({"progress": 0.5}, _transcript(False) + [no_call], **credits)["score"] == pytest.approx(0.3)
     assert tool_success({"progress": 0.5}, _transcript(False))["score"] == 0.0  # no credits configured
 
 

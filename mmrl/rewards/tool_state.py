@@ -19,14 +19,18 @@ from mmrl.registry import register
 @register("reward", "tool_success")
 def tool_success(tool_state: dict[str, Any], transcript: list[dict[str, Any]], progress_credit: float = 0.0,
                  call_credit: float = 0.0, attempt_credit: float = 0.0, **_: Any) -> dict[str, float]:
-    """1 on success; else progress_credit x progress, plus call_credit when some call was
-    accepted by its tool, or attempt_credit when calls were made but all refused (a tiny policy
-    writes the function's name long before it writes valid arguments)."""
+    """1 on success; else progress_credit x progress, plus call_credit x the share of model turns
+    whose call its tool accepted, or attempt_credit when calls were made but all refused (a tiny
+    policy writes the function's name long before it writes valid arguments). Per turn, not "any
+    call accepted", so each action of a multi-step episode is paid for (an environment episode
+    is all actions: a turn that is no call at all counts as not accepted)."""
     success = bool(tool_state.get("success"))
     progress = float(tool_state.get("progress", 0.0) or 0.0)
-    calls = sum(len(turn.get("tool_calls") or []) for turn in transcript if turn.get("role") == "assistant")
+    turns = [turn for turn in transcript if turn.get("role") == "assistant"]
+    calls = sum(len(turn.get("tool_calls") or []) for turn in turns)
     good_calls = sum(1 for turn in transcript if turn.get("role") == "tool" and not turn.get("error"))
-    format_credit = call_credit if good_calls else attempt_credit if calls else 0.0
+    share = min(1.0, good_calls / max(1, len(turns), calls))
+    format_credit = call_credit * share if good_calls else attempt_credit if calls else 0.0
     score = 1.0 if success else progress_credit * progress + format_credit
     return {"score": score, "success": float(success), "progress": progress, "tool_calls": float(calls)}
 
