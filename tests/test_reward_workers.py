@@ -258,3 +258,26 @@ def test_workers_run_at_normal_priority(env):
         return os.nice(0)
 
     assert ray.get(niceness.remote()) == 0
+
+
+def test_score_passes_multi_turn_episodes_to_the_rewards(env):
+    """`score` (what held-out evaluation calls) hands each trajectory's transcript and tool state
+    to the rewards, as the streaming path of training does: a GUI episode that succeeded scores
+    1 by its tool state, a last turn that names the colour after a call scores by final_answer."""
+    from mmrl.rewards.workers import RewardPool
+
+    samples = env["samples"][:2]
+    groups = _groups(samples, lambda s: ["click0", "click1"])
+    for s, (won, lost) in zip(samples, groups):
+        won.transcript = [{"role": "assistant", "content": "click0", "tool_calls": [{"name": "click"}]},
+                          {"role": "tool", "content": "ok", "error": False},
+                          {"role": "assistant", "content": s.answer, "tool_calls": []}]
+        won.tool_state = {"success": True, "progress": 1.0}
+        lost.transcript = won.transcript[:2] + [{"role": "assistant", "content": _wrong(s.answer), "tool_calls": []}]
+        lost.tool_state = {"success": False, "progress": 0.5}
+    entries = [{"name": "tool_success", "weight": 1.0}, {"name": "final_answer", "weight": 1.0}]
+    with RewardPool(entries, num_workers=1, timeout_s=30) as pool:
+        pool.score(samples, groups, decode=_decode)
+    for won, lost in groups:
+        assert won.reward_components["tool_success/score"] == 1.0 and won.reward_components["final_answer/correct"] == 1.0
+        assert lost.reward_components["tool_success/score"] == 0.0 and lost.reward_components["final_answer/correct"] == 0.0

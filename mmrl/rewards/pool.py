@@ -82,6 +82,14 @@ class _ActorState:
     created: float = field(default_factory=time.monotonic)
 
 
+def episodes_of(group: Sequence[Any]) -> list[dict[str, Any]] | None:
+    """What multi-turn loops recorded per trajectory (transcript, tool state), for the rewards
+    that read them; None for a single-turn group."""
+    if not any(getattr(t, "transcript", None) for t in group):
+        return None
+    return [{"transcript": t.transcript, "tool_state": t.tool_state} for t in group]
+
+
 class RewardPool:
     """`num_workers` Ray actors (num_cpus=0), each holding the RewardSet built from `entries`.
 
@@ -437,7 +445,7 @@ class RewardPool:
             raise ValueError(f"{len(samples)} samples but {len(groups)} groups")
         t0 = time.perf_counter()
         handles = [self.submit(s, [decode(t.response_ids) if decode else t.text for t in g],
-                               [t.response_ids for t in g]) for s, g in zip(samples, groups)]
+                               [t.response_ids for t in g], episodes_of(g)) for s, g in zip(samples, groups)]
         position = {id(h): i for i, h in enumerate(handles)}
         results: list[GroupResult | None] = [None] * len(handles)
         for h, res in self.as_completed(handles, on_error=on_error):

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from mmrl.data.sample import Sample
-from mmrl.rewards.pool import RewardHandle, RewardPool
+from mmrl.rewards.pool import RewardHandle, RewardPool, episodes_of
 from mmrl.rewards.report import GroupResult, RewardReport
 
 __all__ = ["RewardStream", "overlap_seconds"]
@@ -55,13 +55,6 @@ class RewardStream:
     def _texts(self, group: Sequence[Any]) -> list[str]:
         return [self.decode(t.response_ids) if self.decode else t.text for t in group]
 
-    @staticmethod
-    def _episodes(group: Sequence[Any]) -> list[dict[str, Any]] | None:
-        """What multi-turn loops recorded (transcript, tool state); None for single-turn groups."""
-        if not any(getattr(t, "transcript", None) for t in group):
-            return None
-        return [{"transcript": t.transcript, "tool_state": t.tool_state} for t in group]
-
     def replace_sample(self, index: int, sample: Sample) -> None:
         """The sample of slot `index` was refused and replaced before its group was submitted."""
         if index in self._handles and self.samples[index] is not sample:
@@ -80,7 +73,7 @@ class RewardStream:
                                    f"when it is final")
             ids = [list(t.response_ids) for t in group]
             self._reported[i] = ids
-            self._handles[i] = self.pool.submit(self.samples[i], self._texts(group), ids, self._episodes(group))
+            self._handles[i] = self.pool.submit(self.samples[i], self._texts(group), ids, episodes_of(group))
         self.pool.poll()  # take in groups that finished meanwhile: keeps the workers' queues balanced
 
     def finish(self, groups: Sequence[Sequence[Any]], *, on_error: str | None = None) -> RewardReport:
@@ -100,7 +93,7 @@ class RewardStream:
         late = [i for i in range(len(groups)) if i not in self._handles]
         for i in late:
             self._handles[i] = self.pool.submit(self.samples[i], self._texts(groups[i]),
-                                                [list(t.response_ids) for t in groups[i]], self._episodes(groups[i]))
+                                                [list(t.response_ids) for t in groups[i]], episodes_of(groups[i]))
         index_of = {id(h): i for i, h in self._handles.items()}
         results: list[GroupResult | None] = [None] * len(groups)
         for h, res in self.pool.as_completed(list(self._handles.values()), on_error=on_error):
