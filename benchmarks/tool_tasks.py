@@ -64,16 +64,23 @@ def run(task: str, arm: str, seed: int, target: float, max_steps: int, extra: li
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     total = time.time() - t0
     (out_root / f"{run_dir.name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"{run_dir.name} failed (exit {proc.returncode}); see {out_root}/{run_dir.name}.log")
+    command = " ".join(["mmrl", "train", f"configs/{task}.yaml", *overrides[:1], *overrides[6:], *extra])
+    return summarise(run_dir, task, arm, seed, target, command, total, proc.returncode)
+
+
+def summarise(run_dir: Path, task: str, arm: str, seed: int, target: float, command: str,
+              total_s: float | None, exit_code: int | None) -> dict:
+    """One run's record from its metrics.jsonl. A run that exited non-zero (stopped by hand, or
+    crashed after some steps) is kept as what it reached, with its exit code."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["eval/heldout_accuracy"], r["time/wall_s"]) for r in rows if "eval/heldout_accuracy" in r]
     hit = next(((s, w) for s, a, w in curve if a >= target), None)
     calls = [r["agent/tool_calls"] for r in rows if "agent/tool_calls" in r]
-    return {"task": task, "arm": arm, "seed": seed, "command": " ".join(["mmrl", "train", f"configs/{task}.yaml",
-                                                                         *overrides[:1], *overrides[6:], *extra]),
+    return {"task": task, "arm": arm, "seed": seed, "command": command, "exit_code": exit_code,
             "curve": curve, "steps_to_target": hit[0] if hit else None,
-            "train_wall_to_target_s": hit[1] if hit else None, "total_wall_s": total,
+            "train_wall_to_target_s": hit[1] if hit else None, "total_wall_s": total_s,
             "final_success": curve[-1][1], "best_success": max(a for _, a, _ in curve),
             "steps": rows[-1]["step"], "mean_tool_calls_last_10": sum(calls[-10:]) / max(1, len(calls[-10:])),
             "mean_step_s": sum(r.get("time/step_s", 0.0) for r in rows) / max(1, len(rows) - 1)}
@@ -112,6 +119,8 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--merge", action="store_true", help="keep the other runs already in the JSON")
+    ap.add_argument("--collect", action="store_true",
+                    help="train nothing: summarise the run folders already on disk (e.g. a run stopped by hand)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = ap.parse_args()
     out = Path(args.out)
@@ -120,10 +129,17 @@ def main() -> None:
     path = out / "tool_tasks.json"
     results = json.loads(path.read_text())["runs"] if args.merge and path.exists() else []
     for task in args.tasks:
-        ensure_assets(task)
+        if not args.collect:
+            ensure_assets(task)
         for arm in args.arms:
             for seed in args.seeds:
-                r = run(task, arm, seed, args.target, args.max_steps, args.overrides, runs_root)
+                if args.collect:
+                    run_dir = runs_root / f"{task}-{arm}-seed{seed}"
+                    if not (run_dir / "metrics.jsonl").exists():
+                        continue
+                    r = summarise(run_dir, task, arm, seed, args.target, f"(collected from disk: {run_dir.relative_to(REPO)}/config.yaml)", None, None)
+                else:
+                    r = run(task, arm, seed, args.target, args.max_steps, args.overrides, runs_root)
                 results = [x for x in results if (x["task"], x["arm"], x["seed"]) != (task, arm, seed)] + [r]
                 print(f"{task:10s} {arm:9s} seed {seed}: steps to {args.target}: {r['steps_to_target']}, "
                       f"seconds {r['train_wall_to_target_s'] and round(r['train_wall_to_target_s'])}, "
