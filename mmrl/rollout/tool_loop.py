@@ -132,6 +132,7 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
                          f"tools ({sorted(owner) or 'none'}); name one of them, or set tool_choice=auto "
                          f"(as you must when the tools are disabled with tools=[])")
     tokenizer, eos = ctx.processor.tokenizer, ctx.processor.eos_token_id
+    choice_ids = tokenizer(args.tool_choice, add_special_tokens=False)["input_ids"] if args.tool_choice != "auto" else []
     prompt_ids = list(prompt.vllm_input["prompt_token_ids"])
     media = {k: list(v) if isinstance(v, (list, tuple)) else [v]
              for k, v in (prompt.vllm_input.get("multi_modal_data") or {}).items()}
@@ -146,7 +147,7 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
     try:
         for turn in range(args.max_turns):
             forced = args.forced_function(turn)
-            forced_ids = tokenizer(forced, add_special_tokens=False)["input_ids"] if forced else []
+            forced_ids = choice_ids if forced else []
             budget = min(ctx.sampling.max_tokens, args.max_total_tokens - len(response) - len(forced_ids))
             if budget < 1:
                 finish = "length"

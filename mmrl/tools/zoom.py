@@ -66,7 +66,6 @@ class ImageZoom(Tool):
         self.latest: Any = None
         self.latest_origin = (0.0, 0.0, 1.0)  # latest crop -> sample image: x = ox + u / scale
         self.boxes: list[list[float]] = []  # every crop, in the sample image's pixels
-        self.calls = 0
 
     def functions(self) -> list[dict[str, Any]]:
         if self.grid is None:
@@ -103,11 +102,10 @@ class ImageZoom(Tool):
             crop = crop.resize((max(1, round(crop.width * up)), max(1, round(crop.height * up))))
             scale *= crop.width / (box[2] - box[0])
         self.latest, self.latest_origin = crop, (x1, y1, scale)
-        self.calls += 1
         return ToolResult(text=f"zoomed into {what}", images=[crop])
 
     def state(self) -> dict[str, Any]:
-        return {"zoom_calls": self.calls, "zoom_boxes": [list(b) for b in self.boxes]}
+        return {"zoom_calls": len(self.boxes), "zoom_boxes": [list(b) for b in self.boxes]}
 
 
 def _cell_argument(arguments: dict[str, Any], grid: int) -> int:
