@@ -145,8 +145,8 @@ def test_samples_draw_what_their_metadata_says(heldout: list) -> None:
         assert set(m) >= {"split", "index", "cell", "colour", "box", "distractors"}
         x1, y1, x2, y2 = m["box"]
         col, row = m["cell"] % 2, m["cell"] // 2
-        # a 28-px square on the 28-px grid (one vision token of the zoomed cell), clear of the frame's ring
-        assert x2 - x1 == y2 - y1 == 28 and x1 % 28 == 0 and y1 % 28 == 0
+        # a 56-px square on the 28-px grid (2 x 2 vision tokens of the zoomed cell), clear of the frame's ring
+        assert x2 - x1 == y2 - y1 == zoom_read.GLYPH == 56 and x1 % 28 == 0 and y1 % 28 == 0
         assert col * 112 + 28 <= x1 and x2 <= col * 112 + 84 and row * 112 + 28 <= y1 and y2 <= row * 112 + 84
         assert m["cell"] not in m["distractors"] and set(m["distractors"]) <= {0, 1, 2, 3}
         glyph = np.asarray(s.images[0])[y1:y2, x1:x2].astype(np.float64)
@@ -168,8 +168,11 @@ def test_deterministic_for_a_seed_and_another_seed_differs(built: tuple[str, dic
 
 
 @pytest.mark.parametrize("kwargs", [{"colour": "pink"}, {"size": 226}, {"grid": 0}, {"size": 112, "grid": 2},
-                                    {"size": 90, "grid": 1, "glyph": 15}, {"frame": 28}, {"frame": 0}])
+                                    {"size": 90, "grid": 1, "glyph": 15}, {"glyph": 42}, {"glyph": 84},
+                                    {"frame": 28}, {"frame": 0}])
 def test_bad_arguments(kwargs: dict) -> None:
+    """Unknown colour, a size that does not split into cells, a glyph off the 28-px grid or too
+    big to leave the frame's ring clear, a frame outside 1..27 px."""
     args = {"colour": "red", **kwargs}
     with pytest.raises(ValueError):
         zoom_read.draw(args.pop("colour"), np.random.default_rng(0), **args)

@@ -237,7 +237,7 @@ def test_run_tool_returns_a_result_with_one_image(click_spec):
 
 def test_marks_tag_what_can_be_clicked_and_the_expert_solves_every_task():
     """marks=True: click(mark) clicks the element whose tag shows that number; the tags follow
-    the state (the open menu's items first) and are drawn on the screenshot."""
+    the state (menus keep their numbers, the open menu's items follow) and are drawn on the screenshot."""
     spec = DesktopSpec.generate(7, task="gui_click")
     env = make_env(spec, marks=True)
     (click, _) = env.functions()
@@ -253,7 +253,8 @@ def test_marks_tag_what_can_be_clicked_and_the_expert_solves_every_task():
     result = env.call("click", {"mark": menu})
     assert result.text == f"opened menu '{spec.task.menu}'"
     items = [e.label for e in clickable(spec, spec.task.menu)]
-    assert items[:len(items) - 2] == [e.label for e in spec.elements if e.kind == "item" and e.menu == spec.task.menu]
+    assert items[:3] == [e.label for e in closed[:3]]  # a menu's number never changes
+    assert items[3:] == [e.label for e in spec.elements if e.kind == "item" and e.menu == spec.task.menu]
     with pytest.raises(ToolError, match="0 to"):
         env.call("click", {"mark": len(items)})
     with pytest.raises(ToolError, match="exactly"):
@@ -267,3 +268,24 @@ def test_marks_tag_what_can_be_clicked_and_the_expert_solves_every_task():
             assert results[-1].done and env.state()["success"] is True, (seed, task)
     with pytest.raises(ValueError, match="marks"):
         make_env(spec, marks=True, grid=8)
+
+
+def test_list_marks_names_every_tag_of_the_new_screen_in_the_tool_text():
+    """list_marks=True: after each action the tool's text lists the tags of the screenshot it
+    returns, number then label, in click order; an action that ends the episode lists none."""
+    spec = DesktopSpec.generate(3, task="gui_click", layout="fixed")
+    env = make_env(spec, marks=True, list_marks=True)
+    menus = [e.label for e in clickable(spec)][:3]
+    opened = env.call("click", {"mark": menus.index(spec.task.menu)})
+    shown = clickable(spec, spec.task.menu)
+    assert opened.text == f"opened menu '{spec.task.menu}'. Marks: " + " ".join(
+        f"{n} '{e.label}'" for n, e in enumerate(shown))
+    assert [e.kind for e in shown] == ["menu"] * 3 + ["item"] * 3
+    closed = env.call("click", {"mark": menus.index(spec.task.menu)})  # the open menu's header closes it
+    assert closed.text.startswith(f"closed menu '{spec.task.menu}'. Marks: 0 '{menus[0]}'") and "'field'" in closed.text
+    env.call("click", {"mark": menus.index(spec.task.menu)})
+    done = env.call("click", {"mark": [e.label for e in shown].index(spec.task.item)})
+    assert done.done and env.state()["success"] and "Marks" not in done.text
+    assert "Marks" not in make_env(spec, marks=True).call("click", {"mark": 0}).text  # off by default
+    with pytest.raises(ValueError, match="list_marks"):
+        make_env(spec, list_marks=True)

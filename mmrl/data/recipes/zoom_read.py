@@ -24,9 +24,11 @@ full image at half size, and downscaling averages each 2 x 2 block of the checke
 (C + 255 - C) / 2 = 127.5 in every channel, whatever the colour C: the glyph becomes a grey
 square like every distractor, not a faint tint a model could learn to read. A zoomed 112-px cell
 is shown at its native size, pixel for pixel: the checkerboard, and with it the colour, is there.
-The glyph is a 28-px square aligned to a 28-px grid, so it fills exactly one vision token of the
-zoomed view (2 x 2 patches of 14 px, merged); a 14-px glyph (one patch of four in its token) was
-not read by the tiny model in 270 steps although it zoomed to the right cell 97% of the time.
+The glyph is a 56-px square on a 28-px grid, so it fills exactly 2 x 2 vision tokens of the
+zoomed view (each 2 x 2 patches of 14 px, merged), the cell's central four. Smaller glyphs were
+read too slowly by the tiny model although it zoomed to the right cell ~97% of the time: a 14-px
+glyph (one patch of four in its token) not at all in 270 steps, a 28-px one (one token of 16)
+for 3-4 colours of 6 by step 300 (`glyph=28` builds it).
 tests/test_data_zoom_read.py measures all this through the real processor.
 
 Each sample is `KEY.json` ({"prompt", "answer", "metadata": {"split", "index", "colour", "cell",
@@ -49,6 +51,8 @@ __all__ = ["PROMPT", "build", "cell_tint", "checkerboard", "draw"]
 PROMPT = "What colour is the small square in the framed cell? Zoom in, then answer with one word."
 FRAME_GREY = 40.0  # dark against the ~128 background, so the frame stands out in the full view
 DISTRACTOR_P = 0.75  # chance that a cell without the glyph holds a grey distractor
+ALIGN = 28  # glyphs sit on the zoomed view's token grid (2 x 2 merged 14-px patches)
+GLYPH = 56  # 2 x 2 tokens of the zoomed cell; one 28-px token was read too slowly (see the docstring)
 
 
 def checkerboard(img: np.ndarray, x0: int, y0: int, side: int, colour: np.ndarray) -> None:
@@ -66,22 +70,26 @@ def cell_tint(cell: int, cells: int, amplitude: float) -> np.ndarray:
     return amplitude * np.cos(hue - np.array([0.0, 2 * np.pi / 3, 4 * np.pi / 3]))
 
 
-def draw(colour: str, rng: np.random.Generator, size: int = 224, grid: int = 2, glyph: int = 28,
-         frame: int = 12, tint: float = 25.0, noise_std: float = 0.0) -> tuple[np.ndarray, dict[str, Any]]:
+def draw(colour: str, rng: np.random.Generator, size: int = 224, grid: int = 2, glyph: int = GLYPH,
+         frame: int = 12, tint: float = 25.0, noise_std: float = 0.0,
+         align: int = ALIGN) -> tuple[np.ndarray, dict[str, Any]]:
     """uint8 (size, size, 3) and what was drawn (see the module docstring).
 
-    Glyphs are `glyph`-pixel squares aligned to a grid of that size inside their cell, never in
-    its outer ring (where the frame is): with the defaults a glyph is one vision token of the
-    zoomed cell and one patch of the full view, and never shares either with the frame."""
+    Glyphs are `glyph`-pixel squares on a grid of `align` px inside their cell, never in its
+    outer ring of `align` px (where the frame is): with `align` the zoomed view's token size (28
+    px: 2 x 2 merged 14-px patches) a glyph fills whole vision tokens of the zoomed cell and never
+    shares one with the frame. The default glyph (56 px) fills the cell's 2 x 2 central tokens."""
     if colour not in COLOURS:
         raise ValueError(f"unknown colour {colour!r}; colours are: {', '.join(COLOURS)}")
     cell_px = size // grid if grid >= 1 else 0
-    if cell_px < 1 or size % grid or glyph < 2 or cell_px % glyph or cell_px // glyph < 3:
-        raise ValueError(f"size {size} must split into {grid} x {grid} cells of at least 3 x 3 glyphs of {glyph} px")
-    if glyph % 2:
-        raise ValueError(f"glyph must be even (a checkerboard averages out over 2 x 2 blocks), got {glyph}")
-    if not 0 < frame < glyph:
-        raise ValueError(f"frame must be between 1 and glyph - 1 ({glyph - 1}) pixels, got {frame}")
+    if align < 2 or align % 2 or glyph < align or glyph % align:
+        raise ValueError(f"glyph ({glyph} px) must be a multiple of align ({align} px, even: a checkerboard "
+                         "averages out over 2 x 2 blocks)")
+    if cell_px < 1 or size % grid or cell_px % align or cell_px // align - glyph // align < 2:
+        raise ValueError(f"size {size} must split into {grid} x {grid} cells of a multiple of {align} px that "
+                         f"hold a {glyph}-px glyph inside a ring of {align} px")
+    if not 0 < frame < align:
+        raise ValueError(f"frame must be between 1 and align - 1 ({align - 1}) pixels, got {frame}")
     # The order of the draws from `rng` is part of the output: keep it.
     img = background(rng, size)
     for c in range(grid * grid):
@@ -91,9 +99,9 @@ def draw(colour: str, rng: np.random.Generator, size: int = 224, grid: int = 2, 
 
     def place(c: int) -> tuple[int, int]:
         """The top-left corner of a random inner glyph position of cell `c`."""
-        sx, sy = (int(v) for v in rng.integers(1, cell_px // glyph - 1, 2))
+        sx, sy = (int(v) for v in rng.integers(1, cell_px // align - glyph // align, 2))
         row, col = divmod(c, grid)
-        return col * cell_px + sx * glyph, row * cell_px + sy * glyph
+        return col * cell_px + sx * align, row * cell_px + sy * align
 
     row, col = divmod(cell, grid)
     y0, x0 = row * cell_px, col * cell_px
@@ -116,8 +124,8 @@ def draw(colour: str, rng: np.random.Generator, size: int = 224, grid: int = 2, 
 
 @register("dataset", "zoom_read")
 def build(out_dir: str, *, train_size: int = 4096, heldout_size: int = 128, image_size: int = 224,
-          grid: int = 2, tint: float = 25.0, noise_std: float = 0.0, shard_size: int = 1024, seed: int = 0,
-          image_format: str = "png") -> dict[str, Any]:
+          grid: int = 2, glyph: int = GLYPH, tint: float = 25.0, noise_std: float = 0.0, shard_size: int = 1024,
+          seed: int = 0, image_format: str = "png") -> dict[str, Any]:
     """The zoom task: name the colour of the checkerboard square in the framed cell of a grid x
     grid image; the answer is the colour word. Meant for `image_zoom` in grid mode with the pixel
     budget of configs/zoom_read.yaml (see the module docstring). PNG by default: JPEG's chroma
@@ -126,14 +134,14 @@ def build(out_dir: str, *, train_size: int = 4096, heldout_size: int = 128, imag
     fmt = normalise_image_format(image_format)
 
     def make(colour: str, rng: np.random.Generator, split: str, i: int) -> dict[str, Any]:
-        pixels, info = draw(colour, rng, image_size, grid, tint=tint, noise_std=noise_std)
+        pixels, info = draw(colour, rng, image_size, grid, glyph=glyph, tint=tint, noise_std=noise_std)
         meta = {"split": split, "index": i, "colour": colour, **info}
         return {"json": {"prompt": PROMPT, "answer": colour, "metadata": meta}, fmt: encode_image(pixels, fmt)}
 
     return build_splits(
         out_dir, recipe="zoom_read",
         args={"train_size": train_size, "heldout_size": heldout_size, "image_size": image_size, "grid": grid,
-              "tint": tint, "noise_std": noise_std, "shard_size": shard_size, "seed": seed, "image_format": fmt},
+              "glyph": glyph, "tint": tint, "noise_std": noise_std, "shard_size": shard_size, "seed": seed, "image_format": fmt},
         labels=list(COLOURS), salt=0x200F, make=make, train_size=train_size,
         heldout_size=heldout_size, shard_size=shard_size, seed=seed,
         extra={"prompt": PROMPT, "answers": list(COLOURS)})
