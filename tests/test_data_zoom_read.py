@@ -309,3 +309,49 @@ def test_with_the_tools_disabled_the_episode_is_one_answer(heldout: list, proces
     assert t.stats["turns"] == 1 and t.stats["tool_calls"] == 0 and set(t.loss_mask) == {1}
     with pytest.raises(ValueError, match="tool_choice=auto"):
         _episode(processor, sample, ["0"], {**args, "tool_choice": "zoom"})
+
+
+def test_the_random_vision_tower_carries_the_colour_only_for_the_zoomed_cell(heldout: list, processor,
+                                                                              tiny_model_dir: Path) -> None:
+    """The claim at the model's level, not the pixels': a linear read-out (multinomial logistic
+    regression) of the random tiny model's vision-tower output, fitted on 80 held-out samples and
+    scored on the other 40, finds the colour in the zoomed cell and not in the full view. So the
+    information is there for RL to route once the policy zooms, and only then (measured on 428
+    samples: 0.98-0.99 zoomed, 0.18-0.24 full view, chance 0.17)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    image_processor, kwargs = processor.hf.image_processor, processor._image_kwargs
+
+    def features(image: Image.Image) -> torch.Tensor:
+        inputs = image_processor(images=[image], return_tensors="pt", **kwargs)
+        with torch.no_grad():
+            out = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        out = getattr(out, "pooler_output", out)  # the merged tokens, one row per vision token
+        return (out[0] if isinstance(out, (tuple, list)) else out).reshape(-1)
+
+    zoomed, full, labels = [], [], []
+    for s in heldout:
+        zoomed.append(features(ImageZoom(s, grid=2).call("image_zoom", {"cell": s.metadata["cell"]}).images[0]))
+        full.append(features(s.images[0]))
+        labels.append(list(COLOURS).index(s.answer))
+    y = torch.tensor(labels)
+
+    def read_out(rows: list[torch.Tensor], n: int = 80) -> float:
+        X = torch.stack(rows)
+        X = (X - X[:n].mean(0)) / (X[:n].std(0) + 1e-6)
+        torch.manual_seed(0)
+        W = torch.zeros(X.shape[1], len(COLOURS), requires_grad=True)
+        b = torch.zeros(len(COLOURS), requires_grad=True)
+        opt = torch.optim.Adam([W, b], lr=1e-2)
+        for _ in range(300):
+            loss = torch.nn.functional.cross_entropy(X[:n] @ W + b, y[:n]) + 1e-3 * (W ** 2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return ((X[n:] @ W + b).argmax(1) == y[n:]).float().mean().item()
+
+    zoomed_accuracy, full_accuracy = read_out(zoomed), read_out(full)
+    print(f"linear read-out of the colour: zoomed {zoomed_accuracy:.2f}, full view {full_accuracy:.2f}")
+    assert zoomed_accuracy >= 0.9, zoomed_accuracy
+    assert full_accuracy <= 0.4, full_accuracy
