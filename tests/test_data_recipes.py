@@ -380,7 +380,7 @@ def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
     engine that writes the expert's two numbers: both names are the loop's tokens (loss mask 0,
     the second inside the tool turn's span), the model's tokens are the numbers, the desktop
     reports success and the configured reward scores it 1; a wrong first number opens another
-    menu and earns only the call credit."""
+    menu and earns only the call credit; a refused first click ends the episode."""
     import yaml
 
     from mmrl.processors import build_processor
@@ -423,6 +423,9 @@ def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
     assert t.response_ids[second - len(click):second] == click and t.loss_mask[second - len(click):second] == [0] * len(click)
     assert len(t.response_ids) <= loop_args["max_total_tokens"]
     assert tool_success(t.tool_state, t.transcript, **reward["args"])["score"] == 1.0
+    refused = episode(["9", str(marks[0])])  # no tag 9: refused, and max_tool_errors: 1 ends the episode
+    assert refused.finish_reason == "tool_error" and refused.stats == {**refused.stats, "turns": 1.0, "tool_errors": 1.0}
+    assert refused.tool_state["progress"] == 0.0 and "mark must be one of" in refused.transcript[-1]["content"]
     wrong = episode([str((marks[0] + 1) % 3), str(marks[1])])
     assert not wrong.tool_state["success"] and wrong.tool_state["progress"] == 0.0
     assert tool_success(wrong.tool_state, wrong.transcript, **reward["args"])["score"] == pytest.approx(0.1)

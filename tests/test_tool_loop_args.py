@@ -10,7 +10,7 @@ from mmrl.rollout.tool_loop import ToolLoopArgs
 
 def test_defaults_force_nothing_and_drop_last_turn_calls() -> None:
     args = ToolLoopArgs.from_dict({})
-    assert args.tool_choice == "auto" and args.last_turn_calls == "drop"
+    assert args.tool_choice == "auto" and args.last_turn_calls == "drop" and args.max_tool_errors is None
     assert [args.forced_function(t) for t in range(3)] == [None, None, None]
 
 
@@ -29,6 +29,9 @@ def test_tool_choice_forces_a_function_for_the_first_turns() -> None:
     ({"tool_choice": "zoom", "tool_choice_turns": -1}, "tool_choice_turns"),
     ({"tool_choice": "zoom", "tool_choice_turns": True}, "tool_choice_turns"),
     ({"last_turn_calls": "keep"}, "last_turn_calls"),
+    ({"max_tool_errors": 0}, "max_tool_errors"),
+    ({"max_tool_errors": True}, "max_tool_errors"),
+    ({"max_tool_errors": "1"}, "max_tool_errors"),
     ({"max_turns": 0}, "max_turns"),
     ({"tools": [{"name": "gui", "arg": {}}]}, "tools\\[0\\]"),
 ])

@@ -67,6 +67,6 @@ def rollout_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
     for k in keys:
         out[f"agent/{k}"] = float(sum(t.stats.get(k, 0.0) for t in trajectories) / len(trajectories))
     if keys:
-        for reason in ("done", "stop", "length"):
+        for reason in ("done", "stop", "length", "tool_error"):
             out[f"agent/finished_{reason}"] = sum(t.finish_reason == reason for t in trajectories) / len(trajectories)
     return out

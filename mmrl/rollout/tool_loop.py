@@ -30,6 +30,10 @@ expands them for the trainer afterwards (workers.py, `trainer_view`).
                               question-answering loop: nothing would read the result) or "run"
                               (an environment: the action takes effect, and its state is what
                               the reward reads; the result enters the transcript, not the tokens)
+    max_tool_errors: null     end the episode (finish reason "tool_error") once this many calls
+                              were refused; the refusals stay in the transcript. An environment
+                              with few turns needs it: otherwise a refused first action is free,
+                              and the policy can learn to spend turn 1 on junk and act from turn 2
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ class ToolLoopArgs:
     tool_choice: str = "auto"
     tool_choice_turns: int | None = None
     last_turn_calls: str = "drop"
+    max_tool_errors: int | None = None
 
     def forced_function(self, turn: int) -> str | None:
         """The function model turn `turn` (0-based) must call, or None."""
@@ -89,6 +94,10 @@ class ToolLoopArgs:
                                                   or out.tool_choice_turns < 0):
             raise ValueError("rollout.agent_loop_args.tool_choice_turns must be a non-negative integer or null, "
                              f"got {out.tool_choice_turns!r}")
+        if out.max_tool_errors is not None and (isinstance(out.max_tool_errors, bool)
+                                                or not isinstance(out.max_tool_errors, int) or out.max_tool_errors < 1):
+            raise ValueError("rollout.agent_loop_args.max_tool_errors must be a positive integer or null, "
+                             f"got {out.max_tool_errors!r}")
         return out
 
 
@@ -192,6 +201,9 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
                                    if args.thumbnail_px > 0 else []})
             if any(r.done for r in results):
                 finish = "done"
+                break
+            if args.max_tool_errors is not None and stats["tool_errors"] >= args.max_tool_errors:
+                finish = "tool_error"
                 break
             if last:  # the calls took effect; no model turn follows to read their results
                 break
