@@ -1,0 +1,221 @@
+"""Is the last turn of a tool task learnable, and how fast? Probes of that turn alone.
+
+    .venv/bin/python benchmarks/turn_probe.py --task zoom_read|gui_click [--steps 250] [--arms ...]
+
+RL on a two-turn tool task learns the first action (where to zoom, which menu to open) long
+before the second (the colour in the zoomed cell, the item in the open menu): the second turn
+only exists, or only pays, once the first is right. These probes take the first turn as given
+(the expert's action) and train only the last model token, so "can the tiny model do the second
+step through this context, and how many GRPO steps does it need" is answered in minutes instead
+of a training run:
+
+  each sample's episode is built by the real multi_turn loop of the task's config (a scripted
+  engine writes the expert's actions), laid on the trainer's tokens by the processor
+  (`expand_traced`: M-RoPE positions, every image's vision tensors), and the model is the one the
+  config trains (`model.path`, loaded as the trainer loads it, fp32). Arms, from the same weights:
+
+  supervised        cross-entropy on the expert's token (batch 16 contexts)
+  grpo              16 contexts x 16 tokens sampled from the policy, the config's reward for that
+                    turn (zoom_read: 1 for the right colour + word credit for any colour word, in
+                    any casing or after a space; gui_click: 1 for the target item's tag + the call
+                    credit's share for a tag on screen), group-normalised advantages, the
+                    config's entropy coefficient, Adam at the config's lr and betas
+  grpo_no_entropy   the same with entropy coefficient 0
+
+Held-out accuracy is the greedy token (argmax over the whole vocabulary) scored as the task's
+success. gui_click's fixed layout has 9 tasks: its contexts are the 9, trained and scored alike.
+One CPU thread; writes benchmarks/results/turn_probe_<task>.json and prints the curves.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = ("supervised", "grpo", "grpo_no_entropy")
+TASKS = ("zoom_read", "gui_click")
+
+
+class Scripted:
+    """An engine that writes given texts, one per turn (the tests' scripted client)."""
+
+    def __init__(self, tokenizer: Any, texts: list[str]):
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    async def generate(self, prompt: Any, sampling: Any) -> Any:
+        from mmrl.rollout.types import Completion
+
+        ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"][:sampling.max_tokens]
+        return Completion(token_ids=ids, logprobs=[-1.0] * len(ids), text=self.tokenizer.decode(ids),
+                          finish_reason="length")
+
+
+def expert_texts(task: str, sample: Any) -> list[str]:
+    """What the scripted engine writes per turn: the expert's actions (after the forced name)."""
+    if task == "zoom_read":
+        return [str(sample.metadata["cell"]), sample.answer]
+    from mmrl.tools.gui import expert_actions, spec_from_sample
+
+    return [str(a["mark"]) for _, a in expert_actions(spec_from_sample(sample), marks=True)]
+
+
+def last_turn_context(task: str, processor: Any, sample: Any, loop_args: dict) -> dict[str, Any]:
+    """The trainer's inputs up to (not including) the last model token of the expert's episode,
+    and that token (the supervised target)."""
+    from mmrl.rollout.agent_loops import AgentContext
+    from mmrl.rollout.tool_loop import multi_turn
+    from mmrl.rollout.types import RequestSampling
+
+    prompt = processor(sample)
+    texts = expert_texts(task, sample)
+    ctx = AgentContext(client=Scripted(processor.tokenizer, texts), processor=processor, args=loop_args,
+                       sampling=RequestSampling(max_tokens=1))
+    t = asyncio.run(multi_turn(ctx, sample, prompt))
+    media = {k: list(v) if isinstance(v, (list, tuple)) else [v]
+             for k, v in prompt.vllm_input["multi_modal_data"].items()}
+    for k, items in t.new_media.items():
+        media.setdefault(k, []).extend(items)
+    full, _ = processor.expand_traced({"prompt_token_ids": list(prompt.vllm_input["prompt_token_ids"])
+                                       + list(t.response_ids), "multi_modal_data": media})
+    target = processor.tokenizer.convert_tokens_to_ids(texts[-1])
+    at = max(i for i, x in enumerate(full.prompt_ids) if x == target)  # the last turn's token
+    return {"input_ids": torch.tensor(full.prompt_ids[:at])[None], "position_ids": full.position_ids_3P[:, None, :at],
+            "mm": full.mm_inputs, "target": target, "key": sample.prompt_text}
+
+
+def scorer(task: str, cfg: dict, tokenizer: Any) -> Callable[[int, dict], tuple[float, bool]]:
+    """token, context -> (the config's reward for that last turn, success)."""
+    if task == "zoom_read":
+        (answer,) = [r for r in cfg["rewards"] if r["name"] == "final_answer"]
+        words, credit = list(answer["args"]["words"]), float(answer["args"].get("word_credit", 0.0))
+        spellings = word_tokens(tokenizer, words)
+        by_target = {tokenizer.convert_tokens_to_ids(w): k for k, w in enumerate(words)}
+
+        def score_zoom(token: int, e: dict) -> tuple[float, bool]:
+            word = spellings.get(token)
+            right = word is not None and word == by_target[e["target"]]
+            return float(right) + (credit if word is not None else 0.0), right
+        return score_zoom
+    (reward,) = [r for r in cfg["rewards"] if r["name"] == "tool_success"]
+    credit = float(reward["args"].get("call_credit", 0.0))
+    on_screen = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(6)}  # 3 menus + the open one's 3 items
+
+    def score_gui(token: int, e: dict) -> tuple[float, bool]:
+        right = token == e["target"]
+        return float(right) + credit * 0.5 * (1 + (token in on_screen)), right  # the first click was accepted
+    return score_gui
+
+
+def word_tokens(tokenizer: Any, words: list[str]) -> dict[int, int]:
+    """Single-token spellings of each answer word (as is, capitalised, after a space) -> word index:
+    what `final_answer` accepts as that word."""
+    out: dict[int, int] = {}
+    for k, w in enumerate(words):
+        for v in (w, w.capitalize(), " " + w, " " + w.capitalize()):
+            ids = tokenizer(v, add_special_tokens=False)["input_ids"]
+            if len(ids) == 1:
+                out[ids[0]] = k
+    return out
+
+
+def run_arm(arm: str, model_dir: str, train: list, held: list, score: Callable, cfg: dict,
+            steps: int, eval_every: int, seed: int) -> list[list[float]]:
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=float(cfg["trainer"]["lr"]), betas=tuple(cfg["trainer"]["betas"]))
+    entropy_coef = 0.0 if arm == "grpo_no_entropy" else float(cfg["algorithm"]["entropy_coef"])
+
+    def last_logits(e: dict) -> torch.Tensor:
+        out = model(input_ids=e["input_ids"], position_ids=e["position_ids"], use_cache=False, **e["mm"])
+        return out.logits[0, -1]
+
+    def accuracy() -> float:
+        model.eval()
+        with torch.no_grad():
+            hits = [score(int(last_logits(e).argmax()), e)[1] for e in held]
+        model.train()
+        return float(np.mean(hits))
+
+    rng, curve, t0 = np.random.default_rng(seed), [], time.time()
+    for step in range(steps + 1):
+        if step % eval_every == 0 or step == steps:
+            curve.append([step, accuracy(), time.time() - t0])
+            print(f"  {arm:16s} step {step:4d}  held-out {curve[-1][1]:.3f}", flush=True)
+        if step == steps:
+            break
+        loss = torch.zeros(())
+        for i in rng.choice(len(train), 16, replace=len(train) < 16):
+            e = train[i]
+            logp = torch.log_softmax(last_logits(e), -1)
+            if arm == "supervised":
+                loss = loss - logp[e["target"]] / 16
+                continue
+            tokens = torch.multinomial(logp.exp().detach(), 16, replacement=True)
+            rewards = torch.tensor([score(int(t), e)[0] for t in tokens])
+            advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            entropy = -(logp.exp() * logp).sum()
+            loss = loss - (advantages * logp[tokens]).mean() / 16 - entropy_coef * entropy / 16
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return curve
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", choices=TASKS, default="zoom_read", help="configs/<task>.yaml is the config")
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--train", type=int, default=512, help="training samples (from the first train shard)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/turn_probe_<task>.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from mmrl.data.stream import load_all
+    from mmrl.processors import build_processor
+
+    config = REPO / "configs" / f"{args.task}.yaml"
+    cfg = yaml.safe_load(config.read_text())
+    model_dir = str(REPO / cfg["model"]["path"])
+    shards = {k: str(REPO / cfg["data"][k]) for k in ("train_shards", "heldout_shards")}
+    if not Path(model_dir, "config.json").exists() or not Path(shards["heldout_shards"]).exists():
+        raise SystemExit(f"build the model and data first: the commands in the header of {config}")
+    processor = build_processor("auto", model_dir, max_pixels=cfg["processor"]["max_pixels"])
+    loop_args = cfg["rollout"]["agent_loop_args"]
+    first_train = shards["train_shards"].replace("{000000..000003}", "000000")
+    train = [last_turn_context(args.task, processor, s, loop_args) for s in load_all(first_train)[:args.train]]
+    held = [last_turn_context(args.task, processor, s, loop_args) for s in load_all(shards["heldout_shards"])]
+    if args.task == "gui_click":  # one desktop: the 9 tasks are the contexts (train and held-out alike)
+        train = list({e["key"]: e for e in train}.values())
+        held = list({e["key"]: e for e in held}.values())
+    score = scorer(args.task, cfg, processor.tokenizer)
+    print(f"{len(train)} train / {len(held)} held-out contexts of {held[0]['input_ids'].shape[1]} tokens")
+    results = {arm: run_arm(arm, model_dir, train, held, score, cfg, args.steps, args.eval_every, args.seed)
+               for arm in args.arms}
+    out = {"task": args.task, "config": str(config.relative_to(REPO)), "steps": args.steps, "seed": args.seed,
+           "train_contexts": len(train), "heldout_contexts": len(held), "curves": results,
+           "steps_to_0.9": {arm: next((s for s, a, _ in c if a >= 0.9), None) for arm, c in results.items()}}
+    path = Path(args.out or REPO / "benchmarks" / "results" / f"turn_probe_{args.task}.json")
+    path.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["steps_to_0.9"]))
+
+
+if __name__ == "__main__":
+    main()
