@@ -145,8 +145,8 @@ def test_samples_draw_what_their_metadata_says(heldout: list) -> None:
         assert set(m) >= {"split", "index", "cell", "colour", "box", "distractors"}
         x1, y1, x2, y2 = m["box"]
         col, row = m["cell"] % 2, m["cell"] // 2
-        # a 56-px square on the 28-px grid (2 x 2 vision tokens of the zoomed cell), clear of the frame's ring
-        assert x2 - x1 == y2 - y1 == zoom_read.GLYPH == 56 and x1 % 28 == 0 and y1 % 28 == 0
+        # a 28-px square on the 28-px grid (one vision token of the zoomed cell), clear of the frame's ring
+        assert x2 - x1 == y2 - y1 == zoom_read.GLYPH == 28 and x1 % 28 == 0 and y1 % 28 == 0
         assert col * 112 + 28 <= x1 and x2 <= col * 112 + 84 and row * 112 + 28 <= y1 and y2 <= row * 112 + 84
         assert m["cell"] not in m["distractors"] and set(m["distractors"]) <= {0, 1, 2, 3}
         glyph = np.asarray(s.images[0])[y1:y2, x1:x2].astype(np.float64)
@@ -176,6 +176,18 @@ def test_bad_arguments(kwargs: dict) -> None:
     args = {"colour": "red", **kwargs}
     with pytest.raises(ValueError):
         zoom_read.draw(args.pop("colour"), np.random.default_rng(0), **args)
+
+
+def test_a_larger_glyph_fills_the_cells_central_tokens() -> None:
+    """glyph=56: 2 x 2 tokens of the zoomed cell, on the 28-px grid and clear of the frame's ring
+    (the only position that leaves it so); its checkerboard still averages to grey."""
+    for seed in range(4):
+        img, info = zoom_read.draw("blue", np.random.default_rng(seed), glyph=56)
+        x1, y1, x2, y2 = info["box"]
+        col, row = info["cell"] % 2, info["cell"] // 2
+        assert (x1 - col * 112, y1 - row * 112, x2 - x1, y2 - y1) == (28, 28, 56, 56)
+        half = img[y1:y2, x1:x2].astype(np.float64).reshape(28, 2, 28, 2, 3).mean((1, 3))
+        assert np.abs(half - 127.5).max() <= 1.0
 
 
 # ------------------------------------------------------------------- the design, as the model sees it
@@ -314,26 +326,32 @@ def test_with_the_tools_disabled_the_episode_is_one_answer(heldout: list, proces
 def test_the_random_vision_tower_carries_the_colour_only_for_the_zoomed_cell(heldout: list, processor,
                                                                               tiny_model_dir: Path) -> None:
     """The claim at the model's level, not the pixels': a linear read-out (multinomial logistic
-    regression) of the random tiny model's vision-tower output, fitted on 80 held-out samples and
-    scored on the other 40, finds the colour in the zoomed cell and not in the full view. So the
-    information is there for RL to route once the policy zooms, and only then (measured on 428
-    samples: 0.98-0.99 zoomed, 0.18-0.24 full view, chance 0.17)."""
+    regression) of the random tiny model's vision-tower output at the glyph's token, fitted on 80
+    held-out samples and scored on the other 40, finds the colour when the cell is zoomed and not
+    in the full view. So the information is there for RL to route once the policy zooms, and only
+    then."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     image_processor, kwargs = processor.hf.image_processor, processor._image_kwargs
 
-    def features(image: Image.Image) -> torch.Tensor:
+    def token(image: Image.Image, x: int, y: int, token_px: int) -> torch.Tensor:
+        """The merged vision token (raster order) holding pixel (x, y) of `image`."""
         inputs = image_processor(images=[image], return_tensors="pt", **kwargs)
         with torch.no_grad():
             out = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-        out = getattr(out, "pooler_output", out)  # the merged tokens, one row per vision token
-        return (out[0] if isinstance(out, (tuple, list)) else out).reshape(-1)
+        out = getattr(out, "pooler_output", out)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        per_row = image.width // token_px
+        return out[(y // token_px) * per_row + x // token_px]
 
     zoomed, full, labels = [], [], []
     for s in heldout:
-        zoomed.append(features(ImageZoom(s, grid=2).call("image_zoom", {"cell": s.metadata["cell"]}).images[0]))
-        full.append(features(s.images[0]))
+        cell, (x1, y1, _, _) = s.metadata["cell"], s.metadata["box"]
+        ox, oy = (cell % 2) * 112, (cell // 2) * 112
+        crop = ImageZoom(s, grid=2).call("image_zoom", {"cell": cell}).images[0]
+        zoomed.append(token(crop, x1 - ox, y1 - oy, 28))  # shown at its size: 28-px tokens
+        full.append(token(s.images[0], x1, y1, 56))  # shown at half size: a token covers 56 px
         labels.append(list(COLOURS).index(s.answer))
     y = torch.tensor(labels)
 

@@ -24,11 +24,12 @@ full image at half size, and downscaling averages each 2 x 2 block of the checke
 (C + 255 - C) / 2 = 127.5 in every channel, whatever the colour C: the glyph becomes a grey
 square like every distractor, not a faint tint a model could learn to read. A zoomed 112-px cell
 is shown at its native size, pixel for pixel: the checkerboard, and with it the colour, is there.
-The glyph is a 56-px square on a 28-px grid, so it fills exactly 2 x 2 vision tokens of the
-zoomed view (each 2 x 2 patches of 14 px, merged), the cell's central four. Smaller glyphs were
-read too slowly by the tiny model although it zoomed to the right cell ~97% of the time: a 14-px
-glyph (one patch of four in its token) not at all in 270 steps, a 28-px one (one token of 16)
-for 3-4 colours of 6 by step 300 (`glyph=28` builds it).
+The glyph is a 28-px square on a 28-px grid, so it fills exactly one vision token of the zoomed
+view (2 x 2 patches of 14 px, merged). A 14-px glyph (one patch of four in its token) was not read
+by the tiny model in 270 steps although it zoomed to the right cell 97% of the time; the 28-px
+one was, for 3-4 colours of 6 by step 280 (held-out 0.50). `glyph=56` fills the cell's central
+2 x 2 tokens: the answer turn alone learns it as fast (benchmarks/turn_probe.py), but the full
+run (seed 0) still answered at chance at step 300, so it is not the default.
 tests/test_data_zoom_read.py measures all this through the real processor.
 
 Each sample is `KEY.json` ({"prompt", "answer", "metadata": {"split", "index", "colour", "cell",
@@ -52,7 +53,7 @@ PROMPT = "What colour is the small square in the framed cell? Zoom in, then answ
 FRAME_GREY = 40.0  # dark against the ~128 background, so the frame stands out in the full view
 DISTRACTOR_P = 0.75  # chance that a cell without the glyph holds a grey distractor
 ALIGN = 28  # glyphs sit on the zoomed view's token grid (2 x 2 merged 14-px patches)
-GLYPH = 56  # 2 x 2 tokens of the zoomed cell; one 28-px token was read too slowly (see the docstring)
+GLYPH = 28  # one token of the zoomed cell (56: 2 x 2 tokens, read no sooner by RL; see the docstring)
 
 
 def checkerboard(img: np.ndarray, x0: int, y0: int, side: int, colour: np.ndarray) -> None:
@@ -78,7 +79,7 @@ def draw(colour: str, rng: np.random.Generator, size: int = 224, grid: int = 2, 
     Glyphs are `glyph`-pixel squares on a grid of `align` px inside their cell, never in its
     outer ring of `align` px (where the frame is): with `align` the zoomed view's token size (28
     px: 2 x 2 merged 14-px patches) a glyph fills whole vision tokens of the zoomed cell and never
-    shares one with the frame. The default glyph (56 px) fills the cell's 2 x 2 central tokens."""
+    shares one with the frame."""
     if colour not in COLOURS:
         raise ValueError(f"unknown colour {colour!r}; colours are: {', '.join(COLOURS)}")
     cell_px = size // grid if grid >= 1 else 0
