@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--train", type=int, default=512, help="training samples (from the first train shard)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default=None, help="a build of the recipe to use instead of the config's shards")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/turn_probe_<task>.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -195,6 +196,8 @@ def main() -> None:
     cfg = yaml.safe_load(config.read_text())
     model_dir = str(REPO / cfg["model"]["path"])
     shards = {k: str(REPO / cfg["data"][k]) for k in ("train_shards", "heldout_shards")}
+    if args.data:  # same file names, another folder
+        shards = {k: str(Path(args.data) / Path(v).name) for k, v in shards.items()}
     if not Path(model_dir, "config.json").exists() or not Path(shards["heldout_shards"]).exists():
         raise SystemExit(f"build the model and data first: the commands in the header of {config}")
     processor = build_processor("auto", model_dir, max_pixels=cfg["processor"]["max_pixels"])

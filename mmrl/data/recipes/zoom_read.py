@@ -25,11 +25,16 @@ full image at half size, and downscaling averages each 2 x 2 block of the checke
 square like every distractor, not a faint tint a model could learn to read. A zoomed 112-px cell
 is shown at its native size, pixel for pixel: the checkerboard, and with it the colour, is there.
 The glyph is a 28-px square on a 28-px grid, so it fills exactly one vision token of the zoomed
-view (2 x 2 patches of 14 px, merged). A 14-px glyph (one patch of four in its token) was not read
-by the tiny model in 270 steps although it zoomed to the right cell 97% of the time; the 28-px
-one was, for 3-4 colours of 6 by step 280 (held-out 0.50). `glyph=56` fills the cell's central
-2 x 2 tokens: the answer turn alone learns it as fast (benchmarks/turn_probe.py), but the full
-run (seed 0) still answered at chance at step 300, so it is not the default.
+view (2 x 2 patches of 14 px, merged), at one of four inner positions of its cell. A 14-px glyph
+(one patch of four in its token) was not read by the tiny model in 270 steps although it zoomed
+to the right cell 97% of the time; the 28-px one was, for 3-4 colours of 6 by step 280 (held-out
+0.50 at 280-330, seed 0). `glyph=56` fills the cell's central 2 x 2 tokens and is read sooner
+(held-out 0.8 at step 370, seed 0; the answer turn alone learns it by GRPO in 125 steps against
+~200, benchmarks/turn_probe.py), but it is not the default: the processor's bicubic resize does
+not cancel the checkerboard where it is cut, at the glyph's edges, and with the glyph always at
+the same place that small residue is consistent enough that a linear read-out of the random vision
+tower's full-view token recovers the colour half the time (0.50 on 40 samples, chance 0.17; the
+28-px glyph at its four positions: 0.17). The tools-disabled control must be run on it first.
 tests/test_data_zoom_read.py measures all this through the real processor.
 
 Each sample is `KEY.json` ({"prompt", "answer", "metadata": {"split", "index", "colour", "cell",
@@ -53,7 +58,7 @@ PROMPT = "What colour is the small square in the framed cell? Zoom in, then answ
 FRAME_GREY = 40.0  # dark against the ~128 background, so the frame stands out in the full view
 DISTRACTOR_P = 0.75  # chance that a cell without the glyph holds a grey distractor
 ALIGN = 28  # glyphs sit on the zoomed view's token grid (2 x 2 merged 14-px patches)
-GLYPH = 28  # one token of the zoomed cell (56: 2 x 2 tokens, read no sooner by RL; see the docstring)
+GLYPH = 28  # one token of the zoomed cell (56 fills 2 x 2 but leaks at its edges; see the docstring)
 
 
 def checkerboard(img: np.ndarray, x0: int, y0: int, side: int, colour: np.ndarray) -> None:
