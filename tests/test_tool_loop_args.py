@@ -38,3 +38,22 @@ def test_tool_choice_forces_a_function_for_the_first_turns() -> None:
 def test_bad_values_are_named(args: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ToolLoopArgs.from_dict(args)
+
+
+def test_rollout_metrics_count_each_finish_reason_of_tool_episodes() -> None:
+    """`agent/finished_<reason>` is the share of trajectories per finish reason, `tool_error`
+    (max_tool_errors) included; a step without tool episodes has no agent metrics."""
+    from types import SimpleNamespace
+
+    from mmrl.controller.metrics import rollout_metrics
+
+    def episode(reason: str, errors: float) -> SimpleNamespace:
+        return SimpleNamespace(response_ids=[1, 2], finish_reason=reason,
+                               stats={"turns": 1.0, "tool_calls": 1.0, "tool_errors": errors})
+
+    m = rollout_metrics([[episode("tool_error", 1.0), episode("done", 0.0)], [episode("done", 0.0), episode("length", 0.0)]])
+    assert m["agent/finished_tool_error"] == 0.25 and m["agent/finished_done"] == 0.5
+    assert m["agent/finished_length"] == 0.25 and m["agent/finished_stop"] == 0.0
+    assert m["agent/tool_errors"] == 0.25 and m["rollout/response_length"] == 2.0
+    plain = rollout_metrics([[SimpleNamespace(response_ids=[1], finish_reason="stop", stats={})]])
+    assert plain == {"rollout/response_length": 1.0}
