@@ -34,7 +34,8 @@ to the right cell 97% of the time; the 28-px one was, for 3-4 colours of 6 by st
 not cancel the checkerboard where it is cut, at the glyph's edges, and with the glyph always at
 the same place that small residue is consistent enough that a linear read-out of the random vision
 tower's full-view token recovers the colour half the time (0.50 on 40 samples, chance 0.17; the
-28-px glyph at its four positions: 0.17). The tools-disabled control must be run on it first.
+28-px glyph at its four positions: 0.17). RL did not find it: the tools-disabled control of that
+build stayed at chance over the same 390 steps (0.164-0.18, seed 0); more seeds before it is the default.
 tests/test_data_zoom_read.py measures all this through the real processor.
 
 Each sample is `KEY.json` ({"prompt", "answer", "metadata": {"split", "index", "colour", "cell",
