@@ -385,9 +385,9 @@ def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
 
     from mmrl.processors import build_processor
     from mmrl.rewards.tool_state import tool_success
-    from mmrl.rollout.agent_loops import AgentContext
+    from mmrl.rollout.agent_loops import AgentContext, ScriptedClient
     from mmrl.rollout.tool_loop import multi_turn
-    from mmrl.rollout.types import Completion, RequestSampling
+    from mmrl.rollout.types import RequestSampling
     from mmrl.tools.gui import expert_actions, spec_from_sample
 
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "gui_click.yaml").read_text())
@@ -399,16 +399,8 @@ def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
     sample = load_all(str(tmp_path / "g" / "heldout-000000.tar"))[0]
     marks = [a["mark"] for _, a in expert_actions(spec_from_sample(sample), marks=True)]
 
-    class Scripted:
-        def __init__(self, texts):
-            self.texts = list(texts)
-
-        async def generate(self, prompt, sampling):
-            ids = tok(self.texts.pop(0), add_special_tokens=False)["input_ids"][:sampling.max_tokens]
-            return Completion(token_ids=ids, logprobs=[-1.0] * len(ids), text=tok.decode(ids), finish_reason="length")
-
     def episode(texts):
-        ctx = AgentContext(client=Scripted(texts), processor=processor, args=loop_args,
+        ctx = AgentContext(client=ScriptedClient(tok, texts, finish_reason="length"), processor=processor, args=loop_args,
                            sampling=RequestSampling(max_tokens=cfg["rollout"]["max_new_tokens"]))
         return asyncio.run(multi_turn(ctx, sample, processor(sample)))
 

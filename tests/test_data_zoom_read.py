@@ -254,27 +254,12 @@ def test_the_framed_cell_is_plain_in_the_full_view(views: list[dict]) -> None:
 
 # ------------------------------------------------------------------ one episode, as configured
 
-class Scripted:
-    """A rollout client that writes the given texts, one per model turn."""
-
-    def __init__(self, tokenizer, texts: list[str]):
-        self.tok, self.texts, self.prompts = tokenizer, list(texts), []
-
-    async def generate(self, prompt: dict, sampling):
-        from mmrl.rollout.types import Completion
-
-        self.prompts.append(prompt)
-        ids = self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"][:sampling.max_tokens]
-        return Completion(token_ids=ids, logprobs=[-1.0] * len(ids),
-                          text=self.tok.decode(ids, skip_special_tokens=True), finish_reason="stop")
-
-
 def _episode(processor, sample, texts: list[str], loop_args: dict):
-    from mmrl.rollout.agent_loops import AgentContext
+    from mmrl.rollout.agent_loops import AgentContext, ScriptedClient
     from mmrl.rollout.tool_loop import multi_turn
     from mmrl.rollout.types import RequestSampling
 
-    client = Scripted(processor.tokenizer, texts)
+    client = ScriptedClient(processor.tokenizer, texts)
     ctx = AgentContext(client=client, sampling=RequestSampling(max_tokens=config()["rollout"]["max_new_tokens"]),
                        processor=processor, args=loop_args)
     return client, asyncio.run(multi_turn(ctx, sample, processor(sample)))

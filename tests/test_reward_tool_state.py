@@ -57,3 +57,18 @@ def test_through_the_reward_calling_convention() -> None:
     sample = Sample(key="k", messages=[{"role": "user", "content": "q"}], answer="red", metadata=BOX)
     episode = {"transcript": [], "tool_state": {"zoom_boxes": [[0, 0, 50, 50]]}}
     assert call_reward(zoom_on_target, **reward_kwargs(sample, "red", episode=episode))["score"] == 1.0
+
+
+def test_reward_set_scores_an_episode_with_its_transcript_and_tool_state() -> None:
+    """`RewardSet.score(..., episode=...)`: the weighted sum over the configured rewards sees the
+    loop's transcript and tool state (what benchmarks/turn_probe.py scores episodes with); without
+    an episode the response is a one-turn transcript and the tool state is empty."""
+    from mmrl.rewards import RewardSet
+
+    rewards = RewardSet([{"name": "tool_success", "weight": 2.0, "args": {"call_credit": 0.1}}])
+    sample = Sample(key="s", messages=[], answer="New")
+    won = rewards.score(sample, "click3", episode={"transcript": _transcript(False), "tool_state": {"success": True}})
+    assert won["score"] == 2.0 and won["tool_success/success"] == 1.0
+    refused = rewards.score(sample, "click9", episode={"transcript": _transcript(True), "tool_state": {}})
+    assert refused["score"] == 0.0 and refused["tool_success/tool_calls"] == 1.0
+    assert rewards.score(sample, "click3")["score"] == 0.0

@@ -150,9 +150,11 @@ class RewardSet:
     def names(self) -> list[str]:
         return [e["label"] for e in self.entries]
 
-    def score(self, sample: Sample, response: str, response_ids: Iterable[int] | None = None) -> dict[str, float]:
-        """{"score": weighted sum, "<name>/score": ..., "<name>/<component>": ...}."""
-        available = reward_kwargs(sample, response, response_ids)
+    def score(self, sample: Sample, response: str, response_ids: Iterable[int] | None = None,
+              episode: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """{"score": weighted sum, "<name>/score": ..., "<name>/<component>": ...}; `episode` as
+        in `reward_kwargs` (a multi-turn loop's transcript and tool state)."""
+        available = reward_kwargs(sample, response, response_ids, episode)
         out: dict[str, float] = {"score": 0.0}
         for e, fn in zip(self.entries, self.functions()):
             result = call_single(fn, {**available, **e["args"]}, e["label"])
