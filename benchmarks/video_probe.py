@@ -174,19 +174,6 @@ def static_ceiling(train: list[Any], heldout: list[Any], k: int = 15) -> dict[st
 
 # ------------------------------------------------------------------------------ frame order
 
-def unpatchify_video(pixel_values: torch.Tensor, grid_thw: Any, processor_hf: Any) -> torch.Tensor:
-    """Inverse of the Qwen2-VL video processor's patchify for ONE video: (T, C, H, W) normalised
-    frames from `pixel_values_videos` (grid_t * grid_h * grid_w, C * tp * p * p)."""
-    vp = processor_hf.video_processor
-    tp, p, m = vp.temporal_patch_size, vp.patch_size, vp.merge_size
-    gt, gh, gw = (int(x) for x in grid_thw)
-    c = pixel_values.shape[1] // (tp * p * p)
-    x = pixel_values.reshape(gt, gh // m, gw // m, m, m, c, tp, p, p)
-    # patchify permuted (gt, tp, C, gh/m, m, p, gw/m, m, p) -> (gt, gh/m, gw/m, m, m, C, tp, p, p)
-    x = x.permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
-    return x.reshape(gt * tp, c, gh * p, gw * p)
-
-
 def frame_order_check(processor: Any, sample: Any) -> dict[str, Any]:
     """Does frame t of the processor's pixel_values_videos show decoded frame t?
 
@@ -197,12 +184,7 @@ def frame_order_check(processor: Any, sample: Any) -> dict[str, Any]:
     import torch.nn.functional as F
 
     prompt = processor(sample)
-    vp = processor.hf.video_processor
-    frames = unpatchify_video(prompt.mm_inputs["pixel_values_videos"], prompt.mm_inputs["video_grid_thw"][0],
-                              processor.hf)
-    mean = torch.tensor(vp.image_mean).view(1, -1, 1, 1)
-    std = torch.tensor(vp.image_std).view(1, -1, 1, 1)
-    seen = (frames * std + mean) * 255.0
+    seen = processor.video_frames(prompt.mm_inputs)
     decoded = torch.from_numpy(np.asarray(sample.videos[0].frames)).permute(0, 3, 1, 2).float()
     ref = F.interpolate(decoded, size=seen.shape[-2:], mode="bicubic", align_corners=False, antialias=True)
     n = decoded.shape[0]

@@ -30,15 +30,6 @@ def motion_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def unpatchify(pixels: torch.Tensor, grid_thw: torch.Tensor, tp: int, p: int, m: int) -> torch.Tensor:
-    """(T, C, H, W) from one video's (t*h*w, C*tp*p*p) patches: the inverse of the Qwen2-VL video
-    processor's patchify (patch order t, h/m, w/m, m, m; features C, tp, p, p)."""
-    gt, gh, gw = (int(x) for x in grid_thw)
-    c = pixels.shape[1] // (tp * p * p)
-    x = pixels.reshape(gt, gh // m, gw // m, m, m, c, tp, p, p).permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
-    return x.reshape(gt * tp, c, gh * p, gw * p)
-
-
 def centre(frame: np.ndarray) -> tuple[float, float]:
     """(x, y) centroid of the shape's pixels (palette colours are saturated, the grey is not)."""
     f = frame.astype(np.float32)
@@ -54,10 +45,7 @@ def test_frame_order_survives_decode_and_processor(tiny_model_dir: Path, motion_
     decode = DecodeOptions.from_config(DecodeConfig(num_frames=num_frames), proc.media_limits)
     samples = load_all(str(motion_dir / "heldout-000000.tar"), decode=decode)
     assert len(samples) == 4
-    vp = proc.hf.video_processor
-    tp, p, m = vp.temporal_patch_size, vp.patch_size, vp.merge_size
-    mean = torch.tensor(vp.image_mean).view(1, -1, 1, 1)
-    std = torch.tensor(vp.image_std).view(1, -1, 1, 1)
+    tp = proc.hf.video_processor.temporal_patch_size
     for s in samples:
         decoded = np.asarray(s.videos[0].frames)
         n = len(decoded)
@@ -70,8 +58,7 @@ def test_frame_order_survives_decode_and_processor(tiny_model_dir: Path, motion_
         prompt = proc(s)
         grid = prompt.mm_inputs["video_grid_thw"][0]
         assert int(grid[0]) == n // tp  # frames 2k and 2k+1 share temporal patch k
-        seen = unpatchify(prompt.mm_inputs["pixel_values_videos"], grid, tp, p, m) * std + mean
-        seen = seen * 255.0
+        seen = proc.video_frames(prompt.mm_inputs)
         ref = F.interpolate(torch.from_numpy(decoded).permute(0, 3, 1, 2).float(), size=seen.shape[-2:],
                             mode="bicubic", align_corners=False, antialias=True)
         mad = (seen[:, None] - ref[None]).abs().mean(dim=(2, 3, 4))  # [processor frame, decoded frame]
@@ -95,11 +82,6 @@ def test_reversing_the_clip_reverses_the_pixels(tiny_model_dir: Path, motion_dir
                  decode=DecodeOptions.from_config(DecodeConfig(), proc.media_limits))[0]
     v = s.videos[0]
     rev = dataclasses.replace(s, videos=[dataclasses.replace(v, frames=np.ascontiguousarray(v.frames[::-1]))])
-    vp = proc.hf.video_processor
-    args = (vp.temporal_patch_size, vp.patch_size, vp.merge_size)
-    a = proc(s).mm_inputs
-    b = proc(rev).mm_inputs
-    fa = unpatchify(a["pixel_values_videos"], a["video_grid_thw"][0], *args)
-    fb = unpatchify(b["pixel_values_videos"], b["video_grid_thw"][0], *args)
+    fa, fb = proc.video_frames(proc(s).mm_inputs), proc.video_frames(proc(rev).mm_inputs)
     assert torch.allclose(fa.flip(0), fb, atol=1e-5)
     assert not torch.allclose(fa, fb, atol=1e-3)  # the clip really moves

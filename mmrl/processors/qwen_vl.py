@@ -242,5 +242,23 @@ class QwenVLProcessor:
         return ProcessedPrompt(key="", vllm_input=vllm_input, prompt_ids=out_ids, position_ids_3P=positions_3P,
                                next_position=int(positions_3P.max()) + 1, mm_inputs=mm_inputs), source
 
+    def video_frames(self, mm_inputs: dict[str, Any], index: int = 0) -> torch.Tensor:
+        """What the vision tower gets of video `index` of `mm_inputs`, as frames: (T, C, H, W) in
+        0..255, the processor's patchify and normalisation undone (for checks that the model sees
+        the frames in order, e.g. tests/test_video_probe.py)."""
+        vp = self.hf.video_processor
+        tp, p, m = vp.temporal_patch_size, vp.patch_size, vp.merge_size
+        grids = mm_inputs["video_grid_thw"]
+        start = int(sum(int(g.prod()) for g in grids[:index]))
+        gt, gh, gw = (int(x) for x in grids[index])
+        pixels = mm_inputs["pixel_values_videos"][start:start + gt * gh * gw]
+        c = pixels.shape[1] // (tp * p * p)
+        # patches are ordered (t, h/m, w/m, m, m), features (C, tp, p, p)
+        x = pixels.reshape(gt, gh // m, gw // m, m, m, c, tp, p, p).permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
+        frames = x.reshape(gt * tp, c, gh * p, gw * p)
+        mean = torch.tensor(vp.image_mean, dtype=frames.dtype).view(1, -1, 1, 1)
+        std = torch.tensor(vp.image_std, dtype=frames.dtype).view(1, -1, 1, 1)
+        return (frames * std + mean) * 255.0
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
