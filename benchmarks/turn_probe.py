@@ -15,15 +15,15 @@ of a training run:
   config trains (`model.path`, loaded as the trainer loads it, fp32). Arms, from the same weights:
 
   supervised        cross-entropy on the expert's token (batch 16 contexts)
-  grpo              16 contexts x 16 tokens sampled from the policy, the config's reward for that
-                    turn (zoom_read: 1 for the right colour + word credit for any colour word, in
-                    any casing or after a space; gui_click: 1 for the target item's tag + the call
-                    credit's share for a tag on screen), group-normalised advantages, the
-                    config's entropy coefficient, Adam at the config's lr and betas
+  grpo              16 contexts x 16 tokens sampled from the policy, each scored by the config's
+                    rewards on the episode the real loop makes of it (the expert's first turn,
+                    then that token: the tool runs, the transcript and tool state are recorded;
+                    cached per context and token), group-normalised advantages, the config's
+                    entropy coefficient, Adam at the config's lr and betas
   grpo_no_entropy   the same with entropy coefficient 0
 
-Held-out accuracy is the greedy token (argmax over the whole vocabulary) scored as the task's
-success. gui_click's fixed layout has 9 tasks: its contexts are the 9, trained and scored alike.
+Held-out accuracy: the greedy token's episode (argmax over the whole vocabulary) reaches the
+config's `eval.threshold`, as the training run's held-out evaluation counts it. gui_click's fixed layout has 9 tasks: its contexts are the 9, trained and scored alike.
 One CPU thread; writes benchmarks/results/turn_probe_<task>.json and prints the curves.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -47,20 +47,6 @@ import yaml  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 ARMS = ("supervised", "grpo", "grpo_no_entropy")
 TASKS = ("zoom_read", "gui_click")
-
-
-class Scripted:
-    """An engine that writes given texts, one per turn (the tests' scripted client)."""
-
-    def __init__(self, tokenizer: Any, texts: list[str]):
-        self.tokenizer, self.texts = tokenizer, list(texts)
-
-    async def generate(self, prompt: Any, sampling: Any) -> Any:
-        from mmrl.rollout.types import Completion
-
-        ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"][:sampling.max_tokens]
-        return Completion(token_ids=ids, logprobs=[-1.0] * len(ids), text=self.tokenizer.decode(ids),
-                          finish_reason="length")
 
 
 def expert_texts(task: str, sample: Any) -> list[str]:
@@ -72,66 +58,56 @@ def expert_texts(task: str, sample: Any) -> list[str]:
     return [str(a["mark"]) for _, a in expert_actions(spec_from_sample(sample), marks=True)]
 
 
-def last_turn_context(task: str, processor: Any, sample: Any, loop_args: dict) -> dict[str, Any]:
-    """The trainer's inputs up to (not including) the last model token of the expert's episode,
-    and that token (the supervised target)."""
-    from mmrl.rollout.agent_loops import AgentContext
-    from mmrl.rollout.tool_loop import multi_turn
-    from mmrl.rollout.types import RequestSampling
+class Episodes:
+    """A task's contexts and the real episodes their last token makes: the config's loop with a
+    scripted engine (`ScriptedClient`), scored by the config's rewards."""
 
-    prompt = processor(sample)
-    texts = expert_texts(task, sample)
-    ctx = AgentContext(client=Scripted(processor.tokenizer, texts), processor=processor, args=loop_args,
-                       sampling=RequestSampling(max_tokens=1))
-    t = asyncio.run(multi_turn(ctx, sample, prompt))
-    media = {k: list(v) if isinstance(v, (list, tuple)) else [v]
-             for k, v in prompt.vllm_input["multi_modal_data"].items()}
-    for k, items in t.new_media.items():
-        media.setdefault(k, []).extend(items)
-    full, _ = processor.expand_traced({"prompt_token_ids": list(prompt.vllm_input["prompt_token_ids"])
-                                       + list(t.response_ids), "multi_modal_data": media})
-    target = processor.tokenizer.convert_tokens_to_ids(texts[-1])
-    at = max(i for i, x in enumerate(full.prompt_ids) if x == target)  # the last turn's token
-    return {"input_ids": torch.tensor(full.prompt_ids[:at])[None], "position_ids": full.position_ids_3P[:, None, :at],
-            "mm": full.mm_inputs, "target": target, "key": sample.prompt_text}
+    def __init__(self, task: str, cfg: dict, processor: Any):
+        from mmrl.rewards.base import RewardSet
 
+        self.task, self.processor, self.loop_args = task, processor, cfg["rollout"]["agent_loop_args"]
+        self.rewards, self.threshold = RewardSet(cfg["rewards"]), float(cfg["eval"]["threshold"])
+        self.cache: dict[tuple[int, int], tuple[float, bool]] = {}
 
-def scorer(task: str, cfg: dict, tokenizer: Any) -> Callable[[int, dict], tuple[float, bool]]:
-    """token, context -> (the config's reward for that last turn, success)."""
-    if task == "zoom_read":
-        (answer,) = [r for r in cfg["rewards"] if r["name"] == "final_answer"]
-        words, credit = list(answer["args"]["words"]), float(answer["args"].get("word_credit", 0.0))
-        spellings = word_tokens(tokenizer, words)
-        by_target = {tokenizer.convert_tokens_to_ids(w): k for k, w in enumerate(words)}
+    def run(self, sample: Any, prompt: Any, turns: list[Any]) -> Any:
+        from mmrl.rollout.agent_loops import AgentContext, ScriptedClient
+        from mmrl.rollout.tool_loop import multi_turn
+        from mmrl.rollout.types import RequestSampling
 
-        def score_zoom(token: int, e: dict) -> tuple[float, bool]:
-            word = spellings.get(token)
-            right = word is not None and word == by_target[e["target"]]
-            return float(right) + (credit if word is not None else 0.0), right
-        return score_zoom
-    (reward,) = [r for r in cfg["rewards"] if r["name"] == "tool_success"]
-    credit = float(reward["args"].get("call_credit", 0.0))
-    on_screen = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(6)}  # 3 menus + the open one's 3 items
+        ctx = AgentContext(client=ScriptedClient(self.processor.tokenizer, turns), processor=self.processor,
+                           args=self.loop_args, sampling=RequestSampling(max_tokens=1))
+        return asyncio.run(multi_turn(ctx, sample, prompt))
 
-    def score_gui(token: int, e: dict) -> tuple[float, bool]:
-        right = token == e["target"]
-        return float(right) + credit * 0.5 * (1 + (token in on_screen)), right  # the first click was accepted
-    return score_gui
+    def context(self, index: int, sample: Any) -> dict[str, Any]:
+        """The trainer's inputs up to (not including) the last model token of the expert's
+        episode, and that token (the supervised target)."""
+        prompt = self.processor(sample)
+        texts = expert_texts(self.task, sample)
+        t = self.run(sample, prompt, texts)
+        media = {k: list(v) if isinstance(v, (list, tuple)) else [v]
+                 for k, v in prompt.vllm_input["multi_modal_data"].items()}
+        for k, items in t.new_media.items():
+            media.setdefault(k, []).extend(items)
+        full, _ = self.processor.expand_traced({"prompt_token_ids": list(prompt.vllm_input["prompt_token_ids"])
+                                                + list(t.response_ids), "multi_modal_data": media})
+        target = self.processor.tokenizer.convert_tokens_to_ids(texts[-1])
+        at = max(i for i, x in enumerate(full.prompt_ids) if x == target)  # the last turn's token
+        return {"index": index, "sample": sample, "prompt": prompt, "first_turns": texts[:-1], "target": target,
+                "input_ids": torch.tensor(full.prompt_ids[:at])[None], "position_ids": full.position_ids_3P[:, None, :at],
+                "mm": full.mm_inputs, "key": sample.prompt_text}
 
-
-def word_tokens(tokenizer: Any, words: list[str]) -> dict[int, int]:
-    """Single-token spellings of each answer word (as is, capitalised, after a space) -> word index:
-    what `final_answer` accepts as that word."""
-    out: dict[int, int] = {}
-    for k, w in enumerate(words):
-        for v in (w, w.capitalize(), " " + w, " " + w.capitalize()):
-            ids = tokenizer(v, add_special_tokens=False)["input_ids"]
-            if len(ids) == 1:
-                out[ids[0]] = k
-    return out
+    def score(self, e: dict, token: int) -> tuple[float, bool]:
+        """(the config's reward, success) of the episode whose last model token is `token`."""
+        key = (e["index"], token)
+        if key not in self.cache:
+            t = self.run(e["sample"], e["prompt"], [*e["first_turns"], [token]])
+            reward = self.rewards.score(e["sample"], t.text, t.response_ids,
+                                        episode={"transcript": t.transcript, "tool_state": t.tool_state})["score"]
+            self.cache[key] = (reward, reward >= self.threshold)
+        return self.cache[key]
 
 
-def run_arm(arm: str, model_dir: str, train: list, held: list, score: Callable, cfg: dict,
+def run_arm(arm: str, model_dir: str, train: list, held: list, episodes: Episodes, cfg: dict,
             steps: int, eval_every: int, seed: int) -> list[list[float]]:
     from transformers import AutoModelForImageTextToText
 
@@ -147,7 +123,7 @@ def run_arm(arm: str, model_dir: str, train: list, held: list, score: Callable, 
     def accuracy() -> float:
         model.eval()
         with torch.no_grad():
-            hits = [score(int(last_logits(e).argmax()), e)[1] for e in held]
+            hits = [episodes.score(e, int(last_logits(e).argmax()))[1] for e in held]
         model.train()
         return float(np.mean(hits))
 
@@ -166,7 +142,7 @@ def run_arm(arm: str, model_dir: str, train: list, held: list, score: Callable, 
                 loss = loss - logp[e["target"]] / 16
                 continue
             tokens = torch.multinomial(logp.exp().detach(), 16, replacement=True)
-            rewards = torch.tensor([score(int(t), e)[0] for t in tokens])
+            rewards = torch.tensor([episodes.score(e, int(t))[0] for t in tokens])
             advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
             entropy = -(logp.exp() * logp).sum()
             loss = loss - (advantages * logp[tokens]).mean() / 16 - entropy_coef * entropy / 16
@@ -201,16 +177,16 @@ def main() -> None:
     if not Path(model_dir, "config.json").exists() or not Path(shards["heldout_shards"]).exists():
         raise SystemExit(f"build the model and data first: the commands in the header of {config}")
     processor = build_processor("auto", model_dir, max_pixels=cfg["processor"]["max_pixels"])
-    loop_args = cfg["rollout"]["agent_loop_args"]
+    episodes = Episodes(args.task, cfg, processor)
     first_train = shards["train_shards"].replace("{000000..000003}", "000000")
-    train = [last_turn_context(args.task, processor, s, loop_args) for s in load_all(first_train)[:args.train]]
-    held = [last_turn_context(args.task, processor, s, loop_args) for s in load_all(shards["heldout_shards"])]
+    train_samples, held_samples = load_all(first_train)[:args.train], load_all(shards["heldout_shards"])
+    train = [episodes.context(i, s) for i, s in enumerate(train_samples)]
+    held = [episodes.context(len(train) + i, s) for i, s in enumerate(held_samples)]
     if args.task == "gui_click":  # one desktop: the 9 tasks are the contexts (train and held-out alike)
         train = list({e["key"]: e for e in train}.values())
         held = list({e["key"]: e for e in held}.values())
-    score = scorer(args.task, cfg, processor.tokenizer)
     print(f"{len(train)} train / {len(held)} held-out contexts of {held[0]['input_ids'].shape[1]} tokens")
-    results = {arm: run_arm(arm, model_dir, train, held, score, cfg, args.steps, args.eval_every, args.seed)
+    results = {arm: run_arm(arm, model_dir, train, held, episodes, cfg, args.steps, args.eval_every, args.seed)
                for arm in args.arms}
     out = {"task": args.task, "config": str(config.relative_to(REPO)), "steps": args.steps, "seed": args.seed,
            "train_contexts": len(train), "heldout_contexts": len(held), "curves": results,
