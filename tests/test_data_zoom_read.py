@@ -145,8 +145,8 @@ def test_samples_draw_what_their_metadata_says(heldout: list) -> None:
         assert set(m) >= {"split", "index", "cell", "colour", "box", "distractors"}
         x1, y1, x2, y2 = m["box"]
         col, row = m["cell"] % 2, m["cell"] // 2
-        # a 28-px square on the 28-px grid (one vision token of the zoomed cell), clear of the frame's ring
-        assert x2 - x1 == y2 - y1 == zoom_read.GLYPH == 28 and x1 % 28 == 0 and y1 % 28 == 0
+        # a 56-px square on the 28-px grid (2 x 2 vision tokens of the zoomed cell), clear of the frame's ring
+        assert x2 - x1 == y2 - y1 == zoom_read.GLYPH == 56 and x1 % 28 == 0 and y1 % 28 == 0
         assert col * 112 + 28 <= x1 and x2 <= col * 112 + 84 and row * 112 + 28 <= y1 and y2 <= row * 112 + 84
         assert m["cell"] not in m["distractors"] and set(m["distractors"]) <= {0, 1, 2, 3}
         glyph = np.asarray(s.images[0])[y1:y2, x1:x2].astype(np.float64)
@@ -308,14 +308,20 @@ def test_with_the_tools_disabled_the_episode_is_one_answer(heldout: list, proces
         _episode(processor, sample, ["0"], {**args, "tool_choice": "zoom"})
 
 
-def test_the_random_vision_tower_carries_the_colour_only_for_the_zoomed_cell(heldout: list, processor,
-                                                                              tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("glyph, full_at_most", [(28, 0.4), (56, 0.75)])
+def test_the_random_vision_tower_carries_the_colour_only_for_the_zoomed_cell(
+        glyph: int, full_at_most: float, heldout: list, processor, tiny_model_dir: Path, tmp_path: Path) -> None:
     """The claim at the model's level, not the pixels': a linear read-out (multinomial logistic
-    regression) of the random tiny model's vision-tower output at the glyph's token, fitted on 80
-    held-out samples and scored on the other 40, finds the colour when the cell is zoomed and not
-    in the full view. So the information is there for RL to route once the policy zooms, and only
-    then."""
+    regression) of the random tiny model's vision-tower output at the glyph's (top-left) token,
+    fitted on 80 held-out samples and scored on the other 40, finds the colour when the cell is
+    zoomed. In the full view: at chance (0.17) for the 28-px glyph; the default 56-px glyph leaks
+    its colour at its edges through the bicubic resize (the recipe's docstring), so the read-out
+    is above chance there (0.5-0.6 measured) and bounded here, where the RL control of
+    configs/zoom_read.yaml stayed at chance (benchmarks/results/tool_tasks.json)."""
     from transformers import AutoModelForImageTextToText
+
+    if glyph != zoom_read.GLYPH:
+        heldout = load_all(os.path.join(str(tmp_path), zoom_read.build(str(tmp_path), **ARGS, glyph=glyph)["shards"]["heldout"]))
 
     model = AutoModelForImageTextToText.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     image_processor, kwargs = processor.hf.image_processor, processor._image_kwargs
@@ -355,6 +361,6 @@ def test_the_random_vision_tower_carries_the_colour_only_for_the_zoomed_cell(hel
         return ((X[n:] @ W + b).argmax(1) == y[n:]).float().mean().item()
 
     zoomed_accuracy, full_accuracy = read_out(zoomed), read_out(full)
-    print(f"linear read-out of the colour: zoomed {zoomed_accuracy:.2f}, full view {full_accuracy:.2f}")
+    print(f"{glyph}-px glyph, linear read-out of the colour: zoomed {zoomed_accuracy:.2f}, full view {full_accuracy:.2f}")
     assert zoomed_accuracy >= 0.9, zoomed_accuracy
-    assert full_accuracy <= 0.4, full_accuracy
+    assert full_accuracy <= full_at_most, full_accuracy

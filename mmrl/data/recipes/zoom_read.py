@@ -24,18 +24,22 @@ full image at half size, and downscaling averages each 2 x 2 block of the checke
 (C + 255 - C) / 2 = 127.5 in every channel, whatever the colour C: the glyph becomes a grey
 square like every distractor, not a faint tint a model could learn to read. A zoomed 112-px cell
 is shown at its native size, pixel for pixel: the checkerboard, and with it the colour, is there.
-The glyph is a 28-px square on a 28-px grid, so it fills exactly one vision token of the zoomed
-view (2 x 2 patches of 14 px, merged), at one of four inner positions of its cell. A 14-px glyph
-(one patch of four in its token) was not read by the tiny model in 270 steps although it zoomed
-to the right cell 97% of the time; the 28-px one was, for 3-4 colours of 6 by step 280 (held-out
-0.50 at 280-330, seed 0). `glyph=56` fills the cell's central 2 x 2 tokens and is read sooner
-(held-out 0.906 at step 390, seed 0; the answer turn alone reaches 0.9 by GRPO in 125 steps,
-the 28-px one not in 250, benchmarks/turn_probe.py), but it is not the default: the processor's bicubic resize does
-not cancel the checkerboard where it is cut, at the glyph's edges, and with the glyph always at
-the same place that small residue is consistent enough that a linear read-out of the random vision
-tower's full-view token recovers the colour half the time (0.50 on 40 samples, chance 0.17; the
-28-px glyph at its four positions: 0.17). RL did not find it: the tools-disabled control of that
-build stayed at chance over the same 390 steps (0.164-0.18, seed 0); more seeds before it is the default.
+The glyph is a 56-px square on a 28-px grid: it fills the central 2 x 2 vision tokens of the
+zoomed cell (a token is 2 x 2 merged 14-px patches, 28 px), clear of the frame's ring. Smaller
+glyphs are read later or not at all by the tiny model: a 14-px one (one patch of four in its
+token) was not read in 270 steps although the policy zoomed to the right cell 97% of the time; a
+28-px one (`glyph=28`, one token, at one of four inner positions) reached held-out 0.50 at steps
+280-330 (seed 0), and its answer turn alone did not reach 0.9 in 250 GRPO steps
+(benchmarks/turn_probe.py), where the 56-px one does in 125. With 56 px: 0.906 held-out at step
+390 (seed 0, configs/zoom_read.yaml, benchmarks/results/tool_tasks.json).
+
+What the 56-px glyph costs: the processor's bicubic resize does not cancel the checkerboard where
+it is cut, at the glyph's edges (a few grey levels), and with the glyph always at the same place
+that residue is consistent enough that a linear read-out of the random vision tower's full-view
+token recovers the colour about half the time (0.5-0.6 on 40 samples, chance 0.17; the 28-px
+glyph at its four positions: 0.17). It is weak: the tools-disabled control (the config with
+`tools=[]`) stayed at chance over the same 390 steps of RL (0.164-0.18, seed 0), so the task still
+needs the zoom. `glyph=28` is the build with no read-out above chance, for a stricter control.
 tests/test_data_zoom_read.py measures all this through the real processor.
 
 Each sample is `KEY.json` ({"prompt", "answer", "metadata": {"split", "index", "colour", "cell",
@@ -59,7 +63,7 @@ PROMPT = "What colour is the small square in the framed cell? Zoom in, then answ
 FRAME_GREY = 40.0  # dark against the ~128 background, so the frame stands out in the full view
 DISTRACTOR_P = 0.75  # chance that a cell without the glyph holds a grey distractor
 ALIGN = 28  # glyphs sit on the zoomed view's token grid (2 x 2 merged 14-px patches)
-GLYPH = 28  # one token of the zoomed cell (56 fills 2 x 2 but leaks at its edges; see the docstring)
+GLYPH = 56  # 2 x 2 tokens of the zoomed cell (28, one token, is read far slower; see the docstring)
 
 
 def checkerboard(img: np.ndarray, x0: int, y0: int, side: int, colour: np.ndarray) -> None:
