@@ -88,7 +88,13 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     from mmrl.models.tiny_vlm import DEFAULT_WORDS, build_tiny_vlm
 
     words = args.words.split(",") if args.words else DEFAULT_WORDS
-    path = build_tiny_vlm(args.arch, args.out, words=words, seed=args.seed, dtype=args.dtype)
+    try:
+        path = build_tiny_vlm(args.arch, args.out, words=words, seed=args.seed, dtype=args.dtype,
+                              hidden_size=args.hidden_size, num_layers=args.num_layers,
+                              vision_depth=args.vision_depth)
+    except ValueError as e:
+        print(f"mmrl: error: {e}", file=sys.stderr)
+        return 2
     print(f"tiny {args.arch} model written to {path}")
     return 0
 
@@ -356,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--words", default=None, help="comma-separated answer words kept as single tokens")
+    # larger sizes for benchmarks where compute must matter (e.g. --hidden-size 1024 --num-layers 6: ~60 M)
+    p.add_argument("--hidden-size", type=int, default=128, help="text width (a multiple of the head size)")
+    p.add_argument("--num-layers", type=int, default=2, help="text decoder layers")
+    p.add_argument("--vision-depth", type=int, default=1, help="vision tower blocks")
     p.set_defaults(func=cmd_tiny_model)
 
     p = sub.add_parser("data", help="dataset recipes, converters and inspection")

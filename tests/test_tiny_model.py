@@ -75,6 +75,21 @@ def test_config_matches_brief(tmp_path: Path) -> None:
     assert model.config.text_config.rope_parameters["mrope_interleaved"] is True
 
 
+def test_cli_sizes(tmp_path: Path) -> None:
+    """`mmrl tiny-model --hidden-size/--num-layers/--vision-depth`: the sizes benchmarks need
+    (compute that matters); a width off the head size is refused with the rule, exit 2."""
+    from mmrl.cli import main
+
+    assert main(["tiny-model", "--out", str(tmp_path / "m"), "--hidden-size", "192", "--num-layers", "3",
+                 "--vision-depth", "2"]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"], text["num_attention_heads"]) == (192, 3, 3)
+    assert (vision["depth"], vision["out_hidden_size"]) == (2, 192)
+    assert main(["tiny-model", "--out", str(tmp_path / "bad"), "--hidden-size", "100"]) == 2
+    assert not (tmp_path / "bad" / "config.json").exists()
+
+
 def test_answer_words_are_single_tokens(tokenizer_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     assert len(tok) == 512

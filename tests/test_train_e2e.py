@@ -46,6 +46,9 @@ def test_demo_config_learns(tiny_model_dir: Path, colors_dir: Path, tmp_path: Pa
     # the engine and the trainer agree on what the policy is (fp32): the sync works every step
     assert max(r["mismatch/mean_abs_logprob_diff"] for r in steps) < 1e-4
     assert all("time/rollout/engine_0_s" in r for r in steps)  # the engine's own track
+    # the sync's split: the engines' load is part of the step's sync time, the whole model every step
+    assert all(0 < r["weight_sync/apply_s"] <= r["time/weight_sync_s"] and r["weight_sync/buckets"] >= 1
+               and r["weight_sync/mb"] > 1 for r in steps)
     # the engine's own counters (rollout/engine_<i>/*): it generated, it was busy part of the step
     assert all(r["rollout/engine_0/tokens_per_busy_s"] > 0 and 0 < r["rollout/engine_0/idle_share"] < 1
                and r["rollout/engine_0/requests_in_flight_peak"] >= 1 for r in steps)

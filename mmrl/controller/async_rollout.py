@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from mmrl.controller.metrics import rollout_metrics
+from mmrl.controller.metrics import rollout_metrics, weight_sync_metrics
 from mmrl.controller.rollout_log import log_rollouts
 from mmrl.data.sample import Sample
 from mmrl.processors import PromptRef
@@ -222,7 +222,7 @@ def run_async_step(rt: Any, window: AsyncRollout, advantage_fn: Any, spans: Any,
     metrics.update(update_policy(rt.trainers, cfg, [d.prompt for d in batch], groups, advantage_fn, spans, step))
     with spans("weight_sync"):
         sync = rt.push_weights()
-    metrics.update({"weight_sync/mb": sync["mb"], "weight_version": float(rt.weight_version)})
+    metrics.update({**weight_sync_metrics(sync), "weight_version": float(rt.weight_version)})
     window.on_new_version(rt.weight_version)
     if rt.monitor is not None:
         metrics.update(rt.monitor.metrics())

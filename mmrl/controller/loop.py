@@ -19,7 +19,7 @@ import torch
 from mmrl.config.load import to_yaml
 from mmrl.config.schema import Config
 from mmrl.controller.learn import needs_reference, update_policy
-from mmrl.controller.metrics import rollout_metrics
+from mmrl.controller.metrics import rollout_metrics, weight_sync_metrics
 from mmrl.controller.placement import placement_plan
 from mmrl.data.sample import Sample
 from mmrl.controller.prompts import SampleBatches
@@ -226,6 +226,7 @@ def rollout_and_score(rt: Runtime, samples: list[Sample], spans: StepSpans,
             rollout.samples, metrics)
 
 
+
 def run_step(rt: Runtime, samples: list[Sample], advantage_fn: Any, spans: StepSpans, step: int = 0,
              batches: SampleBatches | None = None) -> tuple[dict[str, float], list[Sample]]:
     """One synchronous RL step on a batch of samples: rollout, rewards, (dynamic sampling),
@@ -250,7 +251,7 @@ def run_step(rt: Runtime, samples: list[Sample], advantage_fn: Any, spans: StepS
     metrics.update(update_policy(rt.trainers, cfg, prompts, groups, advantage_fn, spans, step))
     with spans("weight_sync"):
         sync = rt.push_weights()
-    metrics.update({"weight_sync/mb": sync["mb"], "weight_version": float(rt.weight_version)})
+    metrics.update({**weight_sync_metrics(sync), "weight_version": float(rt.weight_version)})
     if rt.monitor is not None:
         metrics.update(rt.monitor.metrics())
     return metrics, used

@@ -70,3 +70,12 @@ def rollout_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
         for reason in ("done", "stop", "length", "tool_error"):
             out[f"agent/finished_{reason}"] = sum(t.finish_reason == reason for t in trajectories) / len(trajectories)
     return out
+
+
+def weight_sync_metrics(sync: dict[str, float]) -> dict[str, float]:
+    """What a weight push reports: MB sent and, for a real sync, the buckets and the engines'
+    load time (the rest of `time/weight_sync_s` is gathering, serialising and sending)."""
+    out = {"weight_sync/mb": sync["mb"]}
+    if "apply_s" in sync:
+        out.update({"weight_sync/apply_s": sync["apply_s"], "weight_sync/buckets": sync["buckets"]})
+    return out
