@@ -45,7 +45,7 @@ def main() -> None:
     model_dir, params = ensure_model(args.hidden_size, args.num_layers)
     data = ensure_data()
 
-    from mmrl.utils.env import cleanup_shm, engine_env
+    from mmrl.utils.env import engine_env
 
     run_dir = Path(tempfile.mkdtemp(prefix="mmrl-rollout-bench-"))
     os.environ.update(engine_env(run_dir, "cpu", {"VLLM_LOGGING_LEVEL": "WARNING"}))
@@ -109,8 +109,6 @@ def main() -> None:
          "group": args.group, "new_tokens": args.new_tokens, "tokens_per_s": rates,
          "vllm_tokens_per_s": vllm_rate, "hf_tokens_per_s": hf_rate, "ratio": vllm_rate / hf_rate,
          "command": "benchmarks/rollout.py " + " ".join(sys.argv[1:])}, indent=1))
-    del llm
-    cleanup_shm()  # vLLM's shared-memory queues
 
 
 if __name__ == "__main__":
