@@ -131,7 +131,29 @@ def test_report_prints_table_and_writes_files(tmp_path: Path) -> None:
     assert saved["top"]["span"] == "rollout" and saved["other"]["share"] == pytest.approx(0.16)
     assert saved["plots"]["skipped"] == {"kl": "actor/kl not in metrics.jsonl"}
     md = (report / "summary.md").read_text()
-    assert "| rollout | 5.000 | 40.0% | 5.000 | 5.850 | 4/4 |" in md and "![step_time](step_time.png)" in md
+    assert "| rollout | 5.000 | 40.0% | 5.000 | 5.850 | 4/4 | - |" in md and "![step_time](step_time.png)" in md
+
+
+def test_cores_per_phase_and_the_phases_that_leave_cpus_idle(tmp_path: Path) -> None:
+    """cores/<span> (CPU seconds of the run's processes per wall second of the span) is averaged
+    per span; phases under 3/4 of cores/available are named."""
+    steps = {k: (spans, step_s) for k, (spans, step_s) in STEPS.items() if k < 4}
+    run = tmp_path / "run"
+    _write_run(run, steps)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r, rollout in zip(rows[1:], (1.0, 1.2, 1.4)):
+        r.update({"cores/rollout": rollout, "cores/train": 1.9, "cores/weight_sync": 0.5, "cores/available": 2.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    console, out = _console()
+    summary = write_report(run, console)
+    cores = {s["name"]: s["cores"] for s in summary["spans"]}
+    assert cores["rollout"] == pytest.approx(1.2) and cores["train"] == pytest.approx(1.9)
+    assert cores["data_wait"] is None and summary["cores_available"] == 2.0
+    text = out.getvalue()
+    assert "cores (of 2)" in text and "1.20" in text
+    assert "less than 3/4 of the 2 CPUs busy: rollout 1.2, weight_sync 0.5" in text
+    md = (run / "report" / "summary.md").read_text()
+    assert "| cores (of 2) |" in md and "| train | 2.333 | 23.3% | 2.000 | 2.900 | 3/3 | 1.90 |" in md
 
 
 def test_live_run_partial_last_line_is_ignored(tmp_path: Path) -> None:
@@ -212,3 +234,8 @@ def test_report_on_a_real_demo_run(tiny_model_dir: Path, colors_dir: Path, tmp_p
     assert summary["steps"]["count"] == 4
     shares = sum(s["share"] for s in summary["spans"] if not s["nested"]) + summary["other"]["share"]
     assert shares == pytest.approx(1.0)
+    # the machine was used: every metered phase burnt CPU, out of the CPUs Ray was given
+    cores = {s["name"]: s["cores"] for s in summary["spans"]}
+    assert all(cores[name] > 0 for name in ("rollout", "train", "weight_sync", "eval")), cores
+    assert cores["data_wait"] is None and summary["cores_available"] == float(os.cpu_count())
+    assert f"cores (of {os.cpu_count()})" in out

@@ -34,6 +34,7 @@ from mmrl.rollout.workers import RolloutWorkers
 from mmrl.trainer.update import LossSettings
 from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
 from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
+from mmrl.utils.cpu_clock import ProcessTreeClock
 from mmrl.utils.timing import StepSpans
 
 
@@ -58,6 +59,9 @@ class Runtime:
     trainers: list[Any]
     weight_version: int = 0
     monitor: EngineMonitor | None = None  # per-step engine metrics
+    # CPU seconds of the run's processes, for cores/<phase> (None against a remote Ray cluster,
+    # whose actors are not this process's children: mmrl/utils/cpu_clock.py)
+    cpu_clock: ProcessTreeClock | None = None
 
     def push_weights(self, new_version: bool = True) -> dict[str, float]:
         """Give the engines the trainers' weights (as `weight_version`, bumped first unless
@@ -161,7 +165,7 @@ def start_runtime(cfg: Config) -> Runtime:
     workers.ready()
     return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
                    sampling=sampling, engines=engines, workers=workers, trainers=trainers,
-                   monitor=EngineMonitor(engines))
+                   monitor=EngineMonitor(engines), cpu_clock=None if cfg.cluster.ray_address else ProcessTreeClock())
 
 
 def evaluate(rt: Runtime, heldout: list[Sample]) -> dict[str, float]:

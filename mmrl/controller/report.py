@@ -33,6 +33,7 @@ class SpanStats:
     p95_s: float
     steps: int  # steps where the span ran
     nested: bool = False  # a sub-span ("rollout/engine_0") inside a top-level one: not added to the sum
+    cores: float | None = None  # mean CPU seconds of the run's processes per wall second in the span
 
 
 @dataclass
@@ -111,7 +112,10 @@ def breakdown(rows: list[dict[str, Any]]) -> tuple[list[SpanStats], SpanStats, l
     spans = []
     for name in span_names(timed):
         values = [r.get(f"{TIME_PREFIX}{name}{TIME_SUFFIX}") for r in timed]
-        spans.append(_stats(name, values, total, nested="/" in name))
+        stats = _stats(name, values, total, nested="/" in name)
+        cores = [r[f"cores/{name}"] for r in timed if isinstance(r.get(f"cores/{name}"), (int, float))]
+        stats.cores = sum(cores) / len(cores) if cores else None
+        spans.append(stats)
     # What no top-level span measured; negative when spans overlap (then it is reported as such).
     top = [s.name for s in spans if not s.nested]
     other = [r["time/step_s"] - sum(r.get(f"{TIME_PREFIX}{n}{TIME_SUFFIX}", 0.0) for n in top) for r in timed]
@@ -211,6 +215,7 @@ def summarize(run_dir: Path, log: MetricsLog) -> dict[str, Any]:
         "spans": [asdict(s) for s in spans],
         "other": asdict(other),
         "throughput": throughput,
+        "cores_available": next((r["cores/available"] for r in reversed(timed) if "cores/available" in r), None),
         "top": {"span": top.name, "share": top.share, "mean_s": top.mean_s,
                 "hint": hint(top.name, config, log.rows, run_dir)},
         "notes": log.notes,
@@ -221,6 +226,14 @@ def _fmt_share(share: float) -> str:
     return f"{100 * share:.1f}%"
 
 
+def _cores_column(available: float | None) -> str:
+    return f"cores (of {available:.0f})" if available else "cores"
+
+
+def _fmt_cores(cores: float | None) -> str:
+    return "-" if cores is None else f"{cores:.2f}"
+
+
 def render(summary: dict[str, Any], console: Any) -> None:
     """The step-time table, throughput and the call-out, on a rich console."""
     from rich.table import Table
@@ -228,14 +241,21 @@ def render(summary: dict[str, Any], console: Any) -> None:
     st, steps = summary["step_time_s"], summary["steps"]
     table = Table(title=f"step time, steps {steps['first']}-{steps['last']} ({steps['count']} steps, "
                         f"{st['mean']:.3f} s/step)")
-    for col in ("span", "s/step", "share", "p50 s", "p95 s", "steps"):
+    available = summary.get("cores_available")
+    for col in ("span", "s/step", "share", "p50 s", "p95 s", "steps", _cores_column(available)):
         table.add_column(col, justify="left" if col == "span" else "right", no_wrap=True)
     for s in summary["spans"] + [summary["other"]]:
         name = f"  {s['name']}" if s["nested"] else s["name"]
         share = f"({_fmt_share(s['share'])})" if s["nested"] else _fmt_share(s["share"])
         table.add_row(name, f"{s['mean_s']:.3f}", share, f"{s['p50_s']:.3f}", f"{s['p95_s']:.3f}",
-                      f"{s['steps']}/{steps['count']}", style="dim" if s["nested"] else None)
+                      f"{s['steps']}/{steps['count']}", _fmt_cores(s.get("cores")),
+                      style="dim" if s["nested"] else None)
     console.print(table)
+    idle = [f"{s['name']} {s['cores']:.1f}" for s in summary["spans"]
+            if s.get("cores") is not None and available and s["cores"] < 0.75 * available]
+    if idle:
+        console.print(f"cores: these phases kept less than 3/4 of the {available:.0f} CPUs busy: {', '.join(idle)} "
+                      "(CPU seconds of all the run's processes per wall second in the phase)", highlight=False)
     if summary["other"]["mean_s"] < 0:
         console.print("note: the spans add up to more than the step time, so some of them overlap")
     if steps["max_steps"] and steps["last"] < steps["max_steps"]:
@@ -260,11 +280,12 @@ def to_markdown(summary: dict[str, Any], plots: list[str], skipped: dict[str, st
              f"{summary['step_time_s']['mean']:.3f} s/step, {tp['steps_per_min']:.2f} steps/min"
              + (f", {tp['samples_per_min']:.0f} samples/min" if "samples_per_min" in tp else "") + ".", "",
              f"**Where the time goes:** {top['span']} ({_fmt_share(top['share'])}): {top['hint']}", "",
-             "| span | s/step | share | p50 s | p95 s | steps |", "|---|---:|---:|---:|---:|---:|"]
+             f"| span | s/step | share | p50 s | p95 s | steps | {_cores_column(summary.get('cores_available'))} |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary["spans"] + [summary["other"]]:
         name = f"&nbsp;&nbsp;{s['name']}" if s["nested"] else s["name"]
         lines.append(f"| {name} | {s['mean_s']:.3f} | {_fmt_share(s['share'])} | {s['p50_s']:.3f} | "
-                     f"{s['p95_s']:.3f} | {s['steps']}/{steps['count']} |")
+                     f"{s['p95_s']:.3f} | {s['steps']}/{steps['count']} | {_fmt_cores(s.get('cores'))} |")
     lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     lines += [f"- {name}: skipped ({why})" for name, why in skipped.items()]
     return "\n".join(lines) + "\n"

@@ -143,7 +143,9 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
         # A checkpoint is the last thing a step does, after its records are written: a checkpoint
         # at step N then implies every record up to N exists, whenever the run is killed. Its
         # time counts in the next step (time/checkpoint_s), whose spans start before it.
-        spans, t_step = StepSpans(), time.time()
+        spans, t_step = StepSpans(rt.cpu_clock), time.time()
+        # what cores/<phase> is out of: the CPUs Ray was given on this machine
+        machine = {"cores/available": float(ray.cluster_resources().get("CPU", 0.0))} if rt.cpu_clock else {}
         lr_set = None  # what the trainers hold now (None: unknown, set it)
         while step <= cfg.run.max_steps:
             lr = scheduled_lr(cfg, step, lr_scale)
@@ -180,7 +182,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                 lr_set = None
                 last_good = latest_checkpoint(rt.run_dir)
                 metrics["guard/rollbacks"] = float(guard.rollbacks)
-            metrics.update({**spans.metrics(), "time/step_s": time.time() - t_step, "time/wall_s": wall})
+            metrics.update({**spans.metrics(), **machine, "time/step_s": time.time() - t_step, "time/wall_s": wall})
             if hooks.after_step:
                 hooks.after_step(rt, step, metrics)
             logger.log(step, metrics)
@@ -190,7 +192,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
             if step % 10 == 0:
                 trace.flush()
             summary["steps"] = step
-            spans, t_step = StepSpans(), time.time()
+            spans, t_step = StepSpans(rt.cpu_clock), time.time()
             if not verdict.collapse and cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                 with spans("checkpoint"):
                     data = window.state_dict() if window is not None else stream.state_dict()

@@ -1,18 +1,28 @@
-"""Per-step timing spans: `with spans("rollout"): ...` accumulates seconds under time/rollout_s."""
+"""Per-step timing spans: `with spans("rollout"): ...` accumulates seconds under time/rollout_s.
+
+Given a CPU clock (mmrl/utils/cpu_clock.py), the phases in `METERED` also record the CPU seconds
+the run's processes used during them, reported as cores/<span> = CPU seconds / wall seconds: how
+much of the machine the phase kept busy."""
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
+
+METERED = frozenset({"rollout", "reward", "logprob", "train", "weight_sync", "eval"})
 
 
 class StepSpans:
-    def __init__(self) -> None:
+    def __init__(self, cpu_clock: Callable[[], float] | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self.events: list[tuple[str, float, float]] = []  # (name, start, duration) for trace files
+        self.cpu_clock = cpu_clock
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        clock = self.cpu_clock if name in METERED else None
+        cpu_start = clock() if clock else 0.0
         start = time.time()
         try:
             yield
@@ -20,6 +30,8 @@ class StepSpans:
             duration = time.time() - start
             self.seconds[name] = self.seconds.get(name, 0.0) + duration
             self.events.append((name, start, duration))
+            if clock:  # a process that exited mid-span takes its seconds along: never below 0
+                self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + max(0.0, clock() - cpu_start)
 
     def add(self, name: str, start: float, duration: float) -> None:
         """A span measured elsewhere (e.g. one engine's share of the rollout)."""
@@ -27,4 +39,7 @@ class StepSpans:
         self.events.append((name, start, duration))
 
     def metrics(self) -> dict[str, float]:
-        return {f"time/{name}_s": value for name, value in self.seconds.items()}
+        out = {f"time/{name}_s": value for name, value in self.seconds.items()}
+        out.update({f"cores/{name}": cpu / self.seconds[name]
+                    for name, cpu in self.cpu_seconds.items() if self.seconds[name] > 0})
+        return out

@@ -1,0 +1,50 @@
+"""CPU seconds used by this run's processes, for "how much of the machine did each phase use".
+
+With a local Ray instance (mmrl's default) every process of a run descends from the driver: Ray's
+own servers, the engine actors and their vLLM engine cores, the trainer ranks, the rollout and
+reward workers. Their summed user + system CPU time, sampled at the start and end of a span,
+gives `cores = CPU seconds / wall seconds` for that span (2.0: both cores of a 2-core machine busy
+the whole time). Against a remote Ray cluster the actors are not the driver's children, so the
+clock is not used there (`Runtime.cpu_clock` is None).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+
+
+class ProcessTreeClock:
+    """Call it for the CPU seconds used so far by a process and all its descendants.
+
+    The process list is re-read at most every `refresh_s` seconds (walking /proc costs
+    milliseconds; reading a known process's times costs microseconds). A process that exits
+    takes its seconds with it, so a difference between two readings can be negative across an
+    exit: callers clamp at 0."""
+
+    def __init__(self, pid: int | None = None, refresh_s: float = 10.0):
+        self.root = psutil.Process(pid if pid is not None else os.getpid())
+        self.refresh_s = refresh_s
+        self._procs: list[psutil.Process] = []
+        self._listed_at = float("-inf")
+
+    def _processes(self) -> list[psutil.Process]:
+        now = time.monotonic()
+        if now - self._listed_at >= self.refresh_s:
+            try:
+                self._procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:  # the root itself is gone: nothing to count
+                self._procs = []
+            self._listed_at = now
+        return self._procs
+
+    def __call__(self) -> float:
+        total = 0.0
+        for p in self._processes():
+            try:
+                t = p.cpu_times()
+            except psutil.Error:  # exited since it was listed
+                continue
+            total += t.user + t.system
+        return total

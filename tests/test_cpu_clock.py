@@ -1,0 +1,61 @@
+"""cores/<phase>: the CPU clock of the run's process tree and the spans that read it. No timing
+is asserted: CPU seconds of a fixed amount of work, and fake clocks."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mmrl.utils import timing
+from mmrl.utils.cpu_clock import ProcessTreeClock
+
+BURN = """
+import sys, time
+t0 = time.process_time()
+while time.process_time() - t0 < 0.4:  # 0.4 s of this process's own CPU, whatever the load
+    pass
+print(time.process_time() - t0, flush=True)
+sys.stdin.read()  # stay alive until told to go, so the clock can still read its times
+"""
+
+
+def test_the_clock_counts_a_child_process_cpu_time() -> None:
+    clock = ProcessTreeClock(refresh_s=0.0)
+    before = clock()
+    child = subprocess.Popen([sys.executable, "-c", BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        burnt = float(child.stdout.readline())
+        after = clock()
+    finally:
+        child.communicate("")
+    assert burnt >= 0.4 and after - before >= burnt
+
+
+def test_a_root_that_exits_counts_nothing() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True)
+    clock = ProcessTreeClock(child.pid, refresh_s=0.0)
+    child.communicate("")
+    assert clock() == 0.0
+
+
+def test_spans_report_cores_for_metered_phases_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    wall, cpu = iter([100.0, 102.0, 200.0, 201.0, 300.0, 304.0]), iter([10.0, 13.0, 20.0, 19.0])
+    monkeypatch.setattr(timing.time, "time", lambda: next(wall))
+    spans = timing.StepSpans(cpu_clock=lambda: next(cpu))
+    with spans("train"):  # 3 CPU seconds in 2 wall seconds
+        pass
+    with spans("rollout"):  # a process exited mid-span: the clock went back, counted as 0
+        pass
+    with spans("data_wait"):  # not metered: the clock is not read
+        pass
+    assert spans.metrics() == {"time/train_s": 2.0, "time/rollout_s": 1.0, "time/data_wait_s": 4.0,
+                               "cores/train": 1.5, "cores/rollout": 0.0}
+
+
+def test_without_a_clock_only_seconds() -> None:
+    spans = timing.StepSpans()
+    with spans("train"):
+        time.sleep(0)
+    assert set(spans.metrics()) == {"time/train_s"}
