@@ -376,11 +376,12 @@ def test_gui_click_with_marks_or_a_coarser_grid(tmp_path):
 
 
 def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
-    """configs/gui_click.yaml's loop (forced `click` on every turn, marks, two turns) with an
-    engine that writes the expert's two numbers: both names are the loop's tokens (loss mask 0,
-    the second inside the tool turn's span), the model's tokens are the numbers, the desktop
-    reports success and the configured reward scores it 1; a wrong first number opens another
-    menu and earns only the call credit; a refused first click ends the episode."""
+    """configs/gui_click.yaml's loop (forced `open` then `click`, marks, two turns) with an engine
+    that writes the expert's two numbers: both verbs are the loop's tokens (loss mask 0, the
+    second inside the tool turn's span), the model's tokens are the numbers, the desktop reports
+    success and the configured reward scores it 1; a wrong first number opens another menu and
+    earns only the call credit; a refused first action (no such tag, or a tag that is not a menu)
+    ends the episode."""
     import yaml
 
     from mmrl.processors import build_processor
@@ -406,18 +407,27 @@ def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
 
     t = episode([str(m) for m in marks])
     assert t.tool_state["success"] and t.stats["turns"] == 2 and t.stats["tool_errors"] == 0
-    assert [turn["content"] for turn in t.transcript if turn["role"] == "assistant"] == [f"click{m}" for m in marks]
+    assert loop_args["tool_choice"] == ["open", "click"]
+    assert [turn["content"] for turn in t.transcript if turn["role"] == "assistant"] == [f"open{marks[0]}",
+                                                                                       f"click{marks[1]}"]
     model_tokens = [i for i, m in zip(t.response_ids, t.loss_mask) if m]
     assert model_tokens == [tok.convert_tokens_to_ids(str(m)) for m in marks]
-    click = tok("click", add_special_tokens=False)["input_ids"]
-    assert t.response_ids[:len(click)] == click and t.loss_mask[:len(click)] == [0] * len(click)
-    second = t.loss_mask.index(1, len(click) + 1)  # the second model token: "click" just before it
+    open_, click = (tok(verb, add_special_tokens=False)["input_ids"] for verb in ("open", "click"))
+    assert t.response_ids[:len(open_)] == open_ and t.loss_mask[:len(open_)] == [0] * len(open_)
+    second = t.loss_mask.index(1, len(open_) + 1)  # the second model token: "click" just before it
     assert t.response_ids[second - len(click):second] == click and t.loss_mask[second - len(click):second] == [0] * len(click)
     assert len(t.response_ids) <= loop_args["max_total_tokens"]
     assert tool_success(t.tool_state, t.transcript, **reward["args"])["score"] == 1.0
     refused = episode(["9", str(marks[0])])  # no tag 9: refused, and max_tool_errors: 1 ends the episode
     assert refused.finish_reason == "tool_error" and refused.stats == {**refused.stats, "turns": 1.0, "tool_errors": 1.0}
     assert refused.tool_state["progress"] == 0.0 and "mark must be one of" in refused.transcript[-1]["content"]
+    loop_args = {**loop_args, "tool_choice": ["opn", "click"]}
+    with pytest.raises(ValueError, match="tool_choice names 'opn', not a function of the configured tools"):
+        episode(["0", "0"])
+    loop_args = cfg["rollout"]["agent_loop_args"]
+    not_a_menu = episode(["3", str(marks[1])])  # tag 3 is the text field: `open` takes menu headers only
+    assert not_a_menu.finish_reason == "tool_error" and "open takes the tag of a menu header (0, 1, 2)" in \
+        not_a_menu.transcript[-1]["content"]
     wrong = episode([str((marks[0] + 1) % 3), str(marks[1])])
     assert not wrong.tool_state["success"] and wrong.tool_state["progress"] == 0.0
     assert tool_success(wrong.tool_state, wrong.transcript, **reward["args"])["score"] == pytest.approx(0.1)

@@ -289,3 +289,28 @@ def test_list_marks_names_every_tag_of_the_new_screen_in_the_tool_text():
     assert "Marks" not in make_env(spec, marks=True).call("click", {"mark": 0}).text  # off by default
     with pytest.raises(ValueError, match="list_marks"):
         make_env(spec, list_marks=True)
+
+
+def test_open_menus_adds_an_open_action_for_menu_headers_only():
+    """open_menus=True: `open(mark)` opens the menu tagged `mark` (another open menu is replaced,
+    the open one stays open); a tag that is not a menu header is refused with the headers' tags.
+    `click` is unchanged, and without the option there is no `open`."""
+    spec = DesktopSpec.generate(3, task="gui_click", layout="fixed")
+    env = make_env(spec, marks=True, open_menus=True)
+    assert [f["function"]["name"] for f in env.functions()] == ["click", "type", "open"]
+    assert env.functions()[2]["function"]["parameters"]["required"] == ["mark"]
+    menus = [e.label for e in clickable(spec)][:3]
+    target, other = menus.index(spec.task.menu), (menus.index(spec.task.menu) + 1) % 3
+    with pytest.raises(ToolError, match=r"open takes the tag of a menu header \(0, 1, 2\), got 3"):
+        env.call("open", {"mark": 3})  # the text field
+    assert env.call("open", {"mark": other}).text == f"opened menu '{menus[other]}'"
+    assert env.call("open", {"mark": target}).text == f"opened menu '{spec.task.menu}'"  # replaces it
+    assert env.call("open", {"mark": target}).text == f"menu '{spec.task.menu}' is open"
+    with pytest.raises(ToolError, match="open takes the tag of a menu header"):
+        env.call("open", {"mark": 3})  # an item of the open menu: clicked, not opened
+    item = [e.label for e in clickable(spec, spec.task.menu)].index(spec.task.item)
+    assert env.call("click", {"mark": item}).done and env.state()["success"] and env.state()["errors"] == 2
+    with pytest.raises(ToolError, match=r"unknown function 'open'; use click\(mark\), type\(text\)$"):
+        make_env(spec, marks=True).call("open", {"mark": 0})
+    with pytest.raises(ValueError, match="open_menus"):
+        make_env(spec, open_menus=True)

@@ -22,7 +22,20 @@ def test_tool_choice_forces_a_function_for_the_first_turns() -> None:
     assert ToolLoopArgs.from_dict({"tool_choice": "zoom", "tool_choice_turns": 0}).forced_function(0) is None
 
 
+def test_a_list_forces_one_function_per_turn() -> None:
+    """tool_choice: [open, click]: turn 1 calls open, turn 2 click; "auto" and turns past the
+    list are free."""
+    args = ToolLoopArgs.from_dict({"tool_choice": ["open", "click"]})
+    assert [args.forced_function(t) for t in range(3)] == ["open", "click", None]
+    assert args.forced_names() == {"open", "click"}
+    mixed = ToolLoopArgs.from_dict({"tool_choice": ("auto", "zoom")})
+    assert [mixed.forced_function(t) for t in range(3)] == [None, "zoom", None] and mixed.forced_names() == {"zoom"}
+
+
 @pytest.mark.parametrize("args, match", [
+    ({"tool_choice": []}, "a function \\(or 'auto'\\) per model turn"),
+    ({"tool_choice": ["open", 2]}, "per model turn"),
+    ({"tool_choice": ["open", "click"], "tool_choice_turns": 1}, "tool_choice_turns goes with a single"),
     ({"tool_chioce": "zoom"}, "unknown key"),
     ({"tool_choice": ""}, "tool_choice must be"),
     ({"tool_choice": 3}, "tool_choice must be"),

@@ -25,7 +25,10 @@ expands them for the trainer afterwards (workers.py, `trainer_view`).
                               environment tokens (loss mask 0); the model writes the arguments.
                               With the `bare` parser that is what lets a tiny random policy find
                               a valid call by sampling (one token to guess, not two)
-    tool_choice_turns: null   how many first model turns tool_choice forces (null: every turn)
+                              A list names one per model turn ([open, click]: turn 1 calls open,
+                              turn 2 click; "auto" or turns past the list: not forced), so each
+                              step of an environment task gets its own verb
+    tool_choice_turns: null   how many first model turns a single tool_choice forces (null: every turn)
     last_turn_calls: drop     what happens to calls in the turn that reaches max_turns: "drop" (a
                               question-answering loop: nothing would read the result) or "run"
                               (an environment: the action takes effect, and its state is what
@@ -61,16 +64,24 @@ class ToolLoopArgs:
     max_calls_per_turn: int = 4
     tool_role: str = "tool"
     thumbnail_px: int = 96
-    tool_choice: str = "auto"
+    tool_choice: str | list[str] = "auto"
     tool_choice_turns: int | None = None
     last_turn_calls: str = "drop"
     max_tool_errors: int | None = None
 
     def forced_function(self, turn: int) -> str | None:
         """The function model turn `turn` (0-based) must call, or None."""
+        if isinstance(self.tool_choice, list):
+            choice = self.tool_choice[turn] if turn < len(self.tool_choice) else "auto"
+            return None if choice == "auto" else choice
         if self.tool_choice == "auto" or (self.tool_choice_turns is not None and turn >= self.tool_choice_turns):
             return None
         return self.tool_choice
+
+    def forced_names(self) -> set[str]:
+        """Every function some turn is forced to call."""
+        names = self.tool_choice if isinstance(self.tool_choice, list) else [self.tool_choice]
+        return {n for n in names if n != "auto"}
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> "ToolLoopArgs":
@@ -85,8 +96,17 @@ class ToolLoopArgs:
         for i, spec in enumerate(out.tools):
             if not isinstance(spec, dict) or "name" not in spec or set(spec) - {"name", "args"}:
                 raise ValueError(f"rollout.agent_loop_args.tools[{i}] must be {{name: ..., args: {{...}}}}, got {spec!r}")
-        if not isinstance(out.tool_choice, str) or not out.tool_choice.strip():
-            raise ValueError(f"rollout.agent_loop_args.tool_choice must be 'auto' or a function name, got {out.tool_choice!r}")
+        if isinstance(out.tool_choice, (list, tuple)):
+            out.tool_choice = list(out.tool_choice)  # a tuple: a plain list
+            if not out.tool_choice or not all(isinstance(n, str) and n.strip() for n in out.tool_choice):
+                raise ValueError("rollout.agent_loop_args.tool_choice as a list names a function (or 'auto') per "
+                                 f"model turn, got {out.tool_choice!r}")
+            if out.tool_choice_turns is not None:
+                raise ValueError("rollout.agent_loop_args.tool_choice_turns goes with a single tool_choice; a list "
+                                 "already says which turns are forced (use 'auto' for a free turn)")
+        elif not isinstance(out.tool_choice, str) or not out.tool_choice.strip():
+            raise ValueError("rollout.agent_loop_args.tool_choice must be 'auto', a function name or a list of them "
+                             f"(one per model turn), got {out.tool_choice!r}")
         if out.last_turn_calls not in ("drop", "run"):
             raise ValueError(f"rollout.agent_loop_args.last_turn_calls must be 'drop' or 'run', got {out.last_turn_calls!r}")
         if out.tool_choice_turns is not None and (isinstance(out.tool_choice_turns, bool)
@@ -136,12 +156,13 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
     tools = build_tools(args.tools, sample)
     owner = {name: tool for tool in tools for name in (f["function"]["name"] for f in tool.functions())}
     functions = [f for tool in tools for f in tool.functions()]
-    if args.tool_choice != "auto" and args.tool_choice not in owner:
-        raise ValueError(f"rollout.agent_loop_args.tool_choice={args.tool_choice!r} is not a function of the configured "
-                         f"tools ({sorted(owner) or 'none'}); name one of them, or set tool_choice=auto "
-                         f"(as you must when the tools are disabled with tools=[])")
+    unknown = sorted(args.forced_names() - set(owner))
+    if unknown:
+        raise ValueError(f"rollout.agent_loop_args.tool_choice names {', '.join(map(repr, unknown))}, not a function "
+                         f"of the configured tools ({sorted(owner) or 'none'}); name one of them, or set "
+                         f"tool_choice=auto (as you must when the tools are disabled with tools=[])")
     tokenizer, eos = ctx.processor.tokenizer, ctx.processor.eos_token_id
-    choice_ids = tokenizer(args.tool_choice, add_special_tokens=False)["input_ids"] if args.tool_choice != "auto" else []
+    choice_ids = {name: tokenizer(name, add_special_tokens=False)["input_ids"] for name in args.forced_names()}
     prompt_ids = list(prompt.vllm_input["prompt_token_ids"])
     media = {k: list(v) if isinstance(v, (list, tuple)) else [v]
              for k, v in (prompt.vllm_input.get("multi_modal_data") or {}).items()}
@@ -156,7 +177,7 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
     try:
         for turn in range(args.max_turns):
             forced = args.forced_function(turn)
-            forced_ids = choice_ids if forced else []
+            forced_ids = choice_ids[forced] if forced else []
             budget = min(ctx.sampling.max_tokens, args.max_total_tokens - len(response) - len(forced_ids))
             if budget < 1:
                 finish = "length"

@@ -38,6 +38,14 @@ the field, buttons while no menu is open; the menus, then the open menu's items,
 `list_marks=True` also lists the tags of the new screen in the tool's text after each action
 (`marks_text`: "Marks: 0 'File' 1 'Edit' 2 'View' 3 'New' ..."), as an accessibility tree
 would: the numbers a click may use are then tokens in the context, not only pixels.
+`open_menus=True` (with marks) adds `open(mark)`: open the menu tagged `mark` (a menu header's
+tag only; an open menu stays open, another one replaces it). A two-step task can then be written
+with one verb per step (`tool_choice: [open, click]` in the multi_turn loop): "open" and "click"
+are different contexts for the number that follows, so what RL teaches the first step (menu
+numbers up, the others down) does not carry over to the second, where the items' numbers must be
+found. With `click` for both steps the first step's training pushed the items' numbers (invalid
+or wrong there) so far down that the second step found the target 3 times in 180 steps x 256
+samples (configs/gui_click.yaml).
 A menu keeps its number in both states, so an item is never tagged with the number the menu
 was opened by (with items first, a policy that repeated its first number clicked the first item
 of every menu: success 1/3 of the fixed layout's tasks, a trap RL did not leave in 140 steps).
@@ -403,7 +411,7 @@ class GuiEnvironment(Tool):
     description = "A desktop screen you operate by clicking and typing."
 
     def __init__(self, sample: Any = None, grid: int | None = None, max_steps: int | None = None,
-                 marks: bool = False, list_marks: bool = False):
+                 marks: bool = False, list_marks: bool = False, open_menus: bool = False):
         super().__init__(sample)
         self.spec = spec_from_sample(sample)
         if not isinstance(marks, bool) or (marks and grid is not None):
@@ -411,7 +419,9 @@ class GuiEnvironment(Tool):
                              f"grid={grid!r})")
         if not isinstance(list_marks, bool) or (list_marks and not marks):
             raise ValueError(f"gui: list_marks (true or false) needs marks: true, got list_marks={list_marks!r}")
-        self.marks, self.list_marks = marks, list_marks
+        if not isinstance(open_menus, bool) or (open_menus and not marks):
+            raise ValueError(f"gui: open_menus (true or false) needs marks: true, got open_menus={open_menus!r}")
+        self.marks, self.list_marks, self.open_menus = marks, list_marks, open_menus
         if grid is not None and not (isinstance(grid, int) and 2 <= grid <= min(self.spec.width, self.spec.height)):
             raise ValueError(f"gui: grid must be an int in 2..{min(self.spec.width, self.spec.height)}, got {grid!r}")
         if max_steps is not None and not (isinstance(max_steps, int) and max_steps >= 1):
@@ -439,10 +449,15 @@ class GuiEnvironment(Tool):
             xy = {"x": {"type": "integer", "minimum": 0, "maximum": w - 1, "description": "pixels from the left"},
                   "y": {"type": "integer", "minimum": 0, "maximum": h - 1, "description": "pixels from the top"}}
         text = {"text": {"type": "string", "description": "characters to append to the focused text field"}}
-        return [{"type": "function", "function": {"name": "click", "description": desc,
-                 "parameters": {"type": "object", "properties": xy, "required": sorted(xy)}}},
-                {"type": "function", "function": {"name": "type", "description": "Type into the focused text field.",
-                 "parameters": {"type": "object", "properties": text, "required": ["text"]}}}]
+        out = [{"type": "function", "function": {"name": "click", "description": desc,
+                "parameters": {"type": "object", "properties": xy, "required": sorted(xy)}}},
+               {"type": "function", "function": {"name": "type", "description": "Type into the focused text field.",
+                "parameters": {"type": "object", "properties": text, "required": ["text"]}}}]
+        if self.open_menus:
+            out.append({"type": "function", "function": {
+                "name": "open", "description": "Open the menu whose header is tagged with a number in the screenshot.",
+                "parameters": {"type": "object", "properties": xy, "required": sorted(xy)}}})
+        return out
 
     def screenshot(self) -> Image.Image:
         return render_screen(self.spec, self.open_menu, self.focused, self.text, self.marks)
@@ -476,14 +491,16 @@ class GuiEnvironment(Tool):
         try:
             if self.done:
                 raise ToolError("the episode is over; no more actions")
-            click = "click(mark)" if self.marks else "click(x, y)"
-            if function not in ("click", "type"):
-                raise ToolError(f"unknown function {function!r}; use {click} or type(text)")
-            wanted = ({"mark"} if self.marks else {"x", "y"}) if function == "click" else {"text"}
+            known = ["click(mark)" if self.marks else "click(x, y)", "type(text)"] + (["open(mark)"] if self.open_menus else [])
+            if function not in [k.split("(")[0] for k in known]:
+                raise ToolError(f"unknown function {function!r}; use {', '.join(known)}")
+            wanted = {"text"} if function == "type" else ({"mark"} if self.marks else {"x", "y"})
             if not isinstance(arguments, dict) or set(arguments) != wanted:
                 raise ToolError(f"{function} takes exactly {sorted(wanted)}, got {arguments!r}")
             if function == "type":
                 text = self._type(arguments["text"])
+            elif function == "open":
+                text = self._open(arguments["mark"])
             elif self.marks:
                 text = self._click(*self.mark_pixel(arguments["mark"]))
             else:
@@ -532,6 +549,16 @@ class GuiEnvironment(Tool):
             self.reached.add("focus")
             return "focused the text field"
         return self._run(e)
+
+    def _open(self, mark: Any) -> str:
+        x, y = self.mark_pixel(mark)
+        header = self.spec.hit(x, y, ("menu",))
+        if header is None:
+            menus = [i for i, e in enumerate(clickable(self.spec, self.open_menu)) if e.kind == "menu"]
+            raise ToolError(f"open takes the tag of a menu header ({', '.join(map(str, menus))}), got {mark!r}")
+        if header.label == self.open_menu:
+            return f"menu '{header.label}' is open"
+        return self._click(x, y)  # opens it (replacing an open one)
 
     def _run(self, e: Element) -> str:
         """Run a command (menu item or button): the episode ends, successfully iff it was the target."""
