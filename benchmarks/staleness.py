@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plots import accuracy_axes, panels, save  # noqa: E402
 from colors_learning import REPO, run_seed  # noqa: E402
 
 CORRECTED = ["algorithm.old_logprobs=auto", "algorithm.rollout_correction.mode=tis"]
@@ -48,12 +49,7 @@ def staleness_stats(run_dir: Path) -> dict[str, float]:
 
 
 def plot(results: list[dict], target: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey=True)
+    fig, axes = panels(2, 2, (6.0, 4.0), sharey=True)
     for row, kind in enumerate(("corrected", "uncorrected")):
         for r in results:
             if r["label"] != "sync" and not r["label"].endswith(" " + kind):
@@ -63,14 +59,8 @@ def plot(results: list[dict], target: float, path: Path) -> None:
             axes[row][0].plot(steps, acc, label=r["label"], **style)
             axes[row][1].plot([w + r["startup_s"] for w in wall], acc, label=r["label"], **style)
         for ax, xlabel in zip(axes[row], ["step", "wall time incl. start-up (s)"]):
-            ax.axhline(target, color="grey", ls="--", lw=1)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(f"held-out accuracy ({kind})")
-            ax.set_ylim(0, 1.02)
-            ax.legend(fontsize=8)
-    fig.suptitle("colors demo, async with staleness bound k (2 CPU cores): pi_prox + TIS (top) vs ratio to mu (bottom)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+            accuracy_axes(ax, xlabel, f"held-out accuracy ({kind})", target=target)
+    save(fig, "colors demo, async with staleness bound k (2 CPU cores): pi_prox + TIS (top) vs ratio to mu (bottom)", path)
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _plots import accuracy_axes, panels, save  # noqa: E402
 from mmrl.models.tiny_vlm import DEFAULT_WORDS  # noqa: E402
 
 COLOURS = "red,green,blue,yellow,purple,orange"
@@ -87,27 +88,15 @@ def summarise(run_dir: Path, task: str, arm: str, seed: int, target: float, comm
 
 
 def plot(results: list[dict], target: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = sorted({r["task"] for r in results}, key=list(ASSETS).index)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    fig, axes = panels(1, len(tasks))
     for ax, task in zip(axes[0], tasks):
         for r in (r for r in results if r["task"] == task):
             steps, acc, _ = zip(*r["curve"])
             ax.plot(steps, acc, ls="-" if r["arm"] == "tools" else ":",
                     label=f"{'with tool' if r['arm'] == 'tools' else 'tools disabled'}, seed {r['seed']}")
-        ax.axhline(target, color="grey", ls="--", lw=1)
-        ax.set_title(task)
-        ax.set_xlabel("step")
-        ax.set_ylabel("held-out success (greedy)")
-        ax.set_ylim(0, 1.02)
-        ax.legend(fontsize=8)
-    fig.suptitle("tool tasks: tiny Qwen2.5-VL from random init, GRPO, multi_turn loop, 2 CPU cores")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+        accuracy_axes(ax, "step", "held-out success (greedy)", task, target)
+    save(fig, "tool tasks: tiny Qwen2.5-VL from random init, GRPO, multi_turn loop, 2 CPU cores", path)
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _plots import accuracy_axes, panels, save  # noqa: E402
 TRL = "trl==1.16.0"
 TRL_VENV = REPO / "work" / "trl-venv"
 DATA = REPO / "work" / "data" / "colors"
@@ -155,24 +156,14 @@ def summarise(side: str, curve: list, step_s: list[float], first_step_s: float |
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    fig, axes = panels(1, len(results))
     for ax, (regime, sides) in zip(axes[0], results.items()):
         for side, r in sides.items():
             _, acc, secs = zip(*r["curve"])
             ax.plot(secs, acc, marker=".", label=f"{side}: {r['completions_per_s']:.0f} completions/s")
-        ax.set_title(f"{regime} ({REGIMES[regime][2]} new tokens)")
-        ax.set_xlabel("training seconds (eval left out)")
-        ax.set_ylabel("held-out accuracy (greedy)")
-        ax.set_ylim(0, 1.02)
-        ax.legend(fontsize=8)
-    fig.suptitle("mmrl vs TRL GRPOTrainer, colours demo, same model / data / reward / hyper-parameters, CPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+        accuracy_axes(ax, "training seconds (eval left out)", "held-out accuracy (greedy)",
+                      f"{regime} ({REGIMES[regime][2]} new tokens)")
+    save(fig, "mmrl vs TRL GRPOTrainer, colours demo, same model / data / reward / hyper-parameters, CPU", path)
 
 
 def main() -> None:
