@@ -1,5 +1,5 @@
-"""cores/<phase>: the CPU clock of the run's process tree and the spans that read it. No timing
-is asserted: CPU seconds of a fixed amount of work, and fake clocks."""
+"""cores/<phase> and startup/<phase>: the CPU clock of the run's process tree, the spans that read it,
+and the start-up milestones. No timing is asserted: CPU seconds of a fixed amount of work, and fake clocks."""
 from __future__ import annotations
 
 import subprocess
@@ -59,3 +59,14 @@ def test_without_a_clock_only_seconds() -> None:
     with spans("train"):
         time.sleep(0)
     assert set(spans.metrics()) == {"time/train_s"}
+
+
+def test_milestones_split_the_time_since_the_process_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([110.0, 114.5, 115.0])
+    monkeypatch.setattr(timing.time, "time", lambda: next(clock))
+    marks = timing.Milestones()
+    marks.t0 = marks.last = 100.0  # the process started at 100
+    marks.mark("imports")
+    marks.mark("ray")
+    marks.mark("imports")  # a phase met twice adds up
+    assert marks.metrics() == {"startup/imports_s": 10.5, "startup/ray_s": 4.5, "startup/total_s": 15.0}

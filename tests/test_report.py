@@ -152,8 +152,24 @@ def test_cores_per_phase_and_the_phases_that_leave_cpus_idle(tmp_path: Path) -> 
     text = out.getvalue()
     assert "cores (of 2)" in text and "1.20" in text
     assert "less than 3/4 of the 2 CPUs busy: rollout 1.2, weight_sync 0.5" in text
+    assert "start-up" not in text  # none logged
     md = (run / "report" / "summary.md").read_text()
     assert "| cores (of 2) |" in md and "| train | 2.333 | 23.3% | 2.000 | 2.900 | 3/3 | 1.90 |" in md
+
+
+def test_startup_phases_of_the_latest_process(tmp_path: Path) -> None:
+    """startup/<phase>_s, logged with a process's first step, is printed in order; after a
+    resume (a second process) the report shows the latest one."""
+    run = _write_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[1].update({"startup/imports_s": 9.0, "startup/ray_s": 3.0, "startup/first_step_s": 2.0, "startup/total_s": 14.0})
+    rows[3].update({"startup/imports_s": 8.0, "startup/engines_and_ranks_s": 20.0, "startup/total_s": 28.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    console, out = _console()
+    summary = write_report(run, console)
+    assert summary["startup"] == {"imports": 8.0, "engines_and_ranks": 20.0, "total": 28.0}
+    line = "start-up: 28.0 s from the process start to the end of the first step (imports 8.0, engines_and_ranks 20.0)"
+    assert line in out.getvalue() and line in (run / "report" / "summary.md").read_text()
 
 
 def test_live_run_partial_last_line_is_ignored(tmp_path: Path) -> None:
@@ -239,3 +255,8 @@ def test_report_on_a_real_demo_run(tiny_model_dir: Path, colors_dir: Path, tmp_p
     assert all(cores[name] > 0 for name in ("rollout", "train", "weight_sync", "eval")), cores
     assert cores["data_wait"] is None and summary["cores_available"] == float(os.cpu_count())
     assert f"cores (of {os.cpu_count()})" in out
+    # start-up phase by phase, from the process start to the end of step 1
+    startup = summary["startup"]
+    assert {"imports", "ray", "processor", "engines_and_ranks", "data", "first_eval", "first_step"} <= set(startup)
+    assert sum(v for k, v in startup.items() if k != "total") == pytest.approx(startup["total"])
+    assert all(v >= 0 for v in startup.values()) and "start-up:" in out

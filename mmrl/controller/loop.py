@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from mmrl.trainer.update import LossSettings
 from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
 from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
 from mmrl.utils.cpu_clock import ProcessTreeClock
-from mmrl.utils.timing import StepSpans
+from mmrl.utils.timing import Milestones, StepSpans
 
 
 def _free_port() -> int:
@@ -62,6 +62,7 @@ class Runtime:
     # CPU seconds of the run's processes, for cores/<phase> (None against a remote Ray cluster,
     # whose actors are not this process's children: mmrl/utils/cpu_clock.py)
     cpu_clock: ProcessTreeClock | None = None
+    startup: Milestones = field(default_factory=Milestones)  # start-up phases, logged with step 1
 
     def push_weights(self, new_version: bool = True) -> dict[str, float]:
         """Give the engines the trainers' weights (as `weight_version`, bumped first unless
@@ -91,6 +92,8 @@ class Runtime:
 
 def start_runtime(cfg: Config) -> Runtime:
     """Start Ray, the rollout engines and the trainer ranks for `cfg`."""
+    startup = Milestones()
+    startup.mark("imports")  # the interpreter, mmrl and its libraries, the config
     run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -104,6 +107,7 @@ def start_runtime(cfg: Config) -> Runtime:
         else:
             init_local_ray(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=True)
+    startup.mark("ray")
 
     processor_spec = dict(name=cfg.processor.name, model_path=cfg.model.path, min_pixels=cfg.processor.min_pixels,
                           max_pixels=cfg.processor.max_pixels, max_prompt_tokens=cfg.processor.max_prompt_tokens,
@@ -111,6 +115,7 @@ def start_runtime(cfg: Config) -> Runtime:
     # The driver's processor decodes responses for the rewards and declares the media limits;
     # prompts are processed in the rollout workers.
     processor = build_processor(**processor_spec)
+    startup.mark("processor")
     forbidden = processor.forbidden_token_ids if cfg.rollout.forbid_vision_tokens else []
     sampling = SamplingConfig(n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -161,11 +166,15 @@ def start_runtime(cfg: Config) -> Runtime:
     workers = RolloutWorkers(cfg.rollout.num_workers, engines, processor_spec, cfg.rollout.agent_loop,
                              cfg.rollout.agent_loop_args, cfg.rollout.max_requests_per_engine,
                              actor_options=next(p for p in plan if p.role == "rollout_worker").ray_options())
+    startup.mark("workers_started")  # reward and rollout workers; the engines and ranks start meanwhile
     ray.get([t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines])
+    startup.mark("engines_and_ranks")
     workers.ready()
+    startup.mark("rollout_workers_ready")
     return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
                    sampling=sampling, engines=engines, workers=workers, trainers=trainers,
-                   monitor=EngineMonitor(engines), cpu_clock=None if cfg.cluster.ray_address else ProcessTreeClock())
+                   monitor=EngineMonitor(engines), cpu_clock=None if cfg.cluster.ray_address else ProcessTreeClock(),
+                   startup=startup)
 
 
 def evaluate(rt: Runtime, heldout: list[Sample]) -> dict[str, float]:

@@ -216,10 +216,24 @@ def summarize(run_dir: Path, log: MetricsLog) -> dict[str, Any]:
         "other": asdict(other),
         "throughput": throughput,
         "cores_available": next((r["cores/available"] for r in reversed(timed) if "cores/available" in r), None),
+        "startup": _startup(timed),
         "top": {"span": top.name, "share": top.share, "mean_s": top.mean_s,
                 "hint": hint(top.name, config, log.rows, run_dir)},
         "notes": log.notes,
     }
+
+
+def _startup(timed: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The latest process's start-up phases (logged with its first step), in order."""
+    row = next((r for r in reversed(timed) if "startup/total_s" in r), None)
+    if row is None:
+        return None
+    return {k[len("startup/"):-2]: v for k, v in row.items() if k.startswith("startup/") and k.endswith("_s")}
+
+
+def _startup_line(startup: dict[str, float]) -> str:
+    phases = ", ".join(f"{name} {s:.1f}" for name, s in startup.items() if name != "total")
+    return f"start-up: {startup['total']:.1f} s from the process start to the end of the first step ({phases})"
 
 
 def _fmt_share(share: float) -> str:
@@ -260,6 +274,8 @@ def render(summary: dict[str, Any], console: Any) -> None:
         console.print("note: the spans add up to more than the step time, so some of them overlap")
     if steps["max_steps"] and steps["last"] < steps["max_steps"]:
         console.print(f"steps: {steps['last']} of run.max_steps={steps['max_steps']} (still going, or stopped early)")
+    if summary.get("startup"):
+        console.print(_startup_line(summary["startup"]), highlight=False)
     tp = summary["throughput"]
     line = f"throughput: {tp['steps_per_min']:.2f} steps/min"
     if "samples_per_min" in tp:
@@ -280,6 +296,7 @@ def to_markdown(summary: dict[str, Any], plots: list[str], skipped: dict[str, st
              f"{summary['step_time_s']['mean']:.3f} s/step, {tp['steps_per_min']:.2f} steps/min"
              + (f", {tp['samples_per_min']:.0f} samples/min" if "samples_per_min" in tp else "") + ".", "",
              f"**Where the time goes:** {top['span']} ({_fmt_share(top['share'])}): {top['hint']}", "",
+             *([_startup_line(summary["startup"]) + ".", ""] if summary.get("startup") else []),
              f"| span | s/step | share | p50 s | p95 s | steps | {_cores_column(summary.get('cores_available'))} |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary["spans"] + [summary["other"]]:

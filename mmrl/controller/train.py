@@ -133,11 +133,13 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                                progress_bar=cfg.logging.progress_bar, console_every=cfg.logging.console_every,
                                start_step=start_step - 1)
         trace = TraceWriter(rt.run_dir / "trace.json")
+        rt.startup.mark("data")  # the shard stream opened, the held-out set loaded (and a resume's checkpoint)
         t_start = time.time() - wall_offset
         if heldout and start_step == 1:
             first = evaluate(rt, heldout)
             logger.log(0, {**first, "time/wall_s": 0.0})
             summary["heldout_curve"].append((0, first["eval/heldout_accuracy"], 0.0))
+            rt.startup.mark("first_eval")
         last_good = latest_checkpoint(rt.run_dir)
         step = start_step
         # A checkpoint is the last thing a step does, after its records are written: a checkpoint
@@ -183,6 +185,9 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                 last_good = latest_checkpoint(rt.run_dir)
                 metrics["guard/rollbacks"] = float(guard.rollbacks)
             metrics.update({**spans.metrics(), **machine, "time/step_s": time.time() - t_step, "time/wall_s": wall})
+            if step == start_step:  # this process's start-up, through its first step (cold caches and all)
+                rt.startup.mark("first_step")
+                metrics.update(rt.startup.metrics())
             if hooks.after_step:
                 hooks.after_step(rt, step, metrics)
             logger.log(step, metrics)

@@ -12,6 +12,29 @@ from typing import Callable, Iterator
 METERED = frozenset({"rollout", "reward", "logprob", "train", "weight_sync", "eval"})
 
 
+class Milestones:
+    """Seconds between named points, counted from the process's own start (imports included):
+    the start-up of a run, phase by phase (`startup/<phase>_s`, `startup/total_s`)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.t0 = psutil.Process().create_time()
+        self.last = self.t0
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        """The time since the previous mark (or the process start) is phase `name`."""
+        now = time.time()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"startup/{name}_s": s for name, s in self.seconds.items()}
+        out["startup/total_s"] = self.last - self.t0
+        return out
+
+
 class StepSpans:
     def __init__(self, cpu_clock: Callable[[], float] | None = None) -> None:
         self.seconds: dict[str, float] = {}
