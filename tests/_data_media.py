@@ -133,3 +133,20 @@ def read_split(out_dir: str | os.PathLike, split: str) -> dict[str, dict[str, by
         if name.startswith(split + "-") and name.endswith(".tar"):
             members.update(read_members(os.path.join(out_dir, name)))
     return members
+
+
+def video_and_multi_image_samples(colors_samples: list) -> list:
+    """A video, two images and image + video prompts, built from two colours samples' images."""
+    from mmrl.data.sample import Sample, Video, messages_from_prompt
+
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, (8, 56, 56, 3), dtype=np.uint8)
+    video = Video(frames=frames, fps=2.0, frame_indices=list(range(0, 16, 2)), source_fps=4.0, total_num_frames=16)
+    a, b = colors_samples[0].images[0], colors_samples[1].images[0]
+    return [
+        Sample(key="video", messages=messages_from_prompt("Which way?", n_videos=1), videos=[video]),
+        Sample(key="two-images", messages=messages_from_prompt("Same colour?", n_images=2), images=[a, b]),
+        Sample(key="mixed", messages=[{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "then"}, {"type": "video"}, {"type": "text", "text": "?"}]}],
+            images=[a], videos=[video]),
+    ]

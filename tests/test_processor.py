@@ -9,25 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from _data_media import video_and_multi_image_samples
 from mmrl.data.sample import Sample, Video, messages_from_prompt
 from mmrl.models.tiny_vlm import build_tiny_vlm
 from mmrl.processors import build_processor
 from mmrl.processors.base import PromptRejected
 from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
-
-
-def _video_and_multi_image_samples(colors_samples: list) -> list[Sample]:
-    rng = np.random.default_rng(0)
-    frames = rng.integers(0, 255, (8, 56, 56, 3), dtype=np.uint8)
-    video = Video(frames=frames, fps=2.0, frame_indices=list(range(0, 16, 2)), source_fps=4.0, total_num_frames=16)
-    a, b = colors_samples[0].images[0], colors_samples[1].images[0]
-    return [
-        Sample(key="video", messages=messages_from_prompt("Which way?", n_videos=1), videos=[video]),
-        Sample(key="two-images", messages=messages_from_prompt("Same colour?", n_images=2), images=[a, b]),
-        Sample(key="mixed", messages=[{"role": "user", "content": [
-            {"type": "image"}, {"type": "text", "text": "then"}, {"type": "video"}, {"type": "text", "text": "?"}]}],
-            images=[a], videos=[video]),
-    ]
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
@@ -38,7 +25,7 @@ def test_explicit_positions_match_the_models_own(arch: str, tmp_path: Path, colo
     model_dir = build_tiny_vlm(arch, tmp_path / arch, seed=1)
     proc = build_processor("auto", str(model_dir))
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    samples = colors_samples[:2] + _video_and_multi_image_samples(colors_samples)
+    samples = colors_samples[:2] + video_and_multi_image_samples(colors_samples)
     prompts = [proc(s) for s in samples]
     responses = [[11, 12, 13], [14], [15, 16], [17, 18, 19, 20], [21]]
     seqs = [TrainSequence.from_prompt(p, r, [0.0] * len(r), [1] * len(r)) for p, r in zip(prompts, responses)]
@@ -90,7 +77,7 @@ def test_text_after_video_continues_after_the_whole_block(arch: str, tmp_path: P
     transformers 5.19 uses start + max(h, w)/merge, which ignores the temporal extent of a
     video. We follow vLLM (the sampler), so the trainer's logprobs match the behaviour policy."""
     proc = build_processor("auto", str(build_tiny_vlm(arch, tmp_path / arch, seed=1)))
-    sample = _video_and_multi_image_samples(colors_samples)[0]
+    sample = video_and_multi_image_samples(colors_samples)[0]
     p = proc(sample)
     pos = p.position_ids_3P
     video = [i for i, t in enumerate(p.prompt_ids) if t == proc.video_token_id]
@@ -149,7 +136,7 @@ def test_expanding_the_engine_prompt_gives_the_trainer_prompt(arch: str, tmp_pat
     one processor call exactly, for image, multi-image, video and mixed prompts; tokens appended
     after the prompt (a later turn) continue at the next text position."""
     proc = build_processor("auto", str(build_tiny_vlm(arch, tmp_path / arch, seed=1)))
-    for sample in colors_samples[:1] + _video_and_multi_image_samples(colors_samples):
+    for sample in colors_samples[:1] + video_and_multi_image_samples(colors_samples):
         p = proc(sample)
         e = proc.expand(p.vllm_input)
         assert e.prompt_ids == p.prompt_ids, (arch, sample.key)

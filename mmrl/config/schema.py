@@ -329,8 +329,13 @@ class TrainerConfig:
     # Sequences per forward/backward on one rank (an upper bound when the token budget is set).
     micro_batch_size: int = 64
     # Token budget per micro-batch: rows x padded length (prompt tokens, vision tokens included,
-    # plus response tokens). null = split by micro_batch_size only.
+    # plus response tokens), or the tokens themselves with padding_free. null = split by
+    # micro_batch_size only.
     max_tokens_per_micro_batch: Optional[int] = None
+    # Lay a micro-batch's sequences end to end in one row, without padding, each with its own
+    # positions (mmrl/trainer/batch.py::collate_packed). Same logprobs and gradients as the padded
+    # rows (tests/test_padding_free.py); faster when lengths differ (benchmarks/trainer_bound.py).
+    padding_free: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Merged over mmrl's ZeRO-3 defaults (mmrl.trainer.deepspeed_config).
     deepspeed: dict[str, Any] = field(default_factory=dict)

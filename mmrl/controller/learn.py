@@ -18,7 +18,7 @@ from mmrl.config.schema import Config
 from mmrl.processors import ProcessedPrompt, PromptRef
 from mmrl.rollout.types import Trajectory
 from mmrl.trainer.batch import TrainSequence
-from mmrl.trainer.plan import StepInputs, plan_forward_only, plan_updates
+from mmrl.trainer.plan import StepInputs, padded_tokens, plan_forward_only, plan_updates
 from mmrl.utils.timing import StepSpans
 
 
@@ -52,7 +52,8 @@ def logprob_pass(trainers: Sequence[Any], seqs: list[TrainSequence], cfg: Config
     """Fill `old_logprobs` / `ref_logprobs` of every sequence on the driver, with one no-grad pass
     each (diagnostics and tests; training keeps them on the ranks: `trainer_side_logprobs`)."""
     chunks, order = plan_forward_only(seqs, world_size=len(trainers), micro_batch_size=cfg.trainer.micro_batch_size,
-                                      max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch)
+                                      max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
+                                      padding_free=cfg.trainer.padding_free)
     for policy, attr, wanted in (("current", "old_logprobs", old), ("reference", "ref_logprobs", reference)):
         if not wanted:
             continue
@@ -121,7 +122,7 @@ def update_policy(trainers: Sequence[Any], cfg: Config, prompts: Sequence[Proces
         seqs, world_size=len(trainers), mini_batches=cfg.algorithm.mini_batches, epochs=cfg.algorithm.ppo_epochs,
         micro_batch_size=cfg.trainer.micro_batch_size,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, loss_agg=cfg.algorithm.loss_agg.value,
-        seed=cfg.run.seed * 1_000_003 + step)
+        seed=cfg.run.seed * 1_000_003 + step, padding_free=cfg.trainer.padding_free)
     kl_by_uid: dict[int, float] = {}
     if old or reference:
         with spans("logprob"):
@@ -148,4 +149,14 @@ def update_policy(trainers: Sequence[Any], cfg: Config, prompts: Sequence[Proces
                             for t, x in zip(trainers, inputs)])
     metrics.update(merge_rank_stats(per_rank))
     metrics["actor/micro_batches"] = float(sum(len(m.micro_batches) for m in inputs[0].mini_batches))
+    metrics.update(forward_token_metrics(inputs, cfg.trainer.padding_free))
     return metrics
+
+
+def forward_token_metrics(inputs: Sequence[StepInputs], padding_free: bool) -> dict[str, float]:
+    """Tokens one pass of the update's forwards computes over all ranks (fillers included), and
+    the share of them that is padding: what trainer.padding_free removes."""
+    chunks = [chunk for x in inputs for mini in x.mini_batches for chunk in mini.micro_batches if chunk]
+    computed = sum(padded_tokens(c, padding_free) for c in chunks)
+    real = sum(s.num_tokens for c in chunks for s in c)
+    return {"actor/forward_tokens": float(computed), "actor/padding_fraction": 1.0 - real / computed if computed else 0.0}

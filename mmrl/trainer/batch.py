@@ -1,9 +1,16 @@
-"""From trajectories to padded tensors for the training forward.
+"""From trajectories to tensors for the training forward, in one of two layouts.
 
-Layout of a micro-batch: prompts are LEFT-padded and responses RIGHT-padded, so every row's
-response starts at the same column P. The model then only projects the hidden states of the
-response columns to vocabulary logits (`logits_to_keep`), which keeps the logits tensor at
-(B, T, V) instead of (B, P+T, V).
+Padded (`collate`): prompts are LEFT-padded and responses RIGHT-padded, so every row's response
+starts at the same column P. The model then only projects the hidden states of the response
+columns to vocabulary logits (`logits_to_keep`), which keeps the logits tensor at (B, T, V)
+instead of (B, P+T, V).
+
+Padding-free (`collate_packed`, trainer.padding_free): the sequences are laid end to end in one
+row, no pad token anywhere. Each keeps its own positions, and a fourth position row (the text
+position inside the sequence, restarting at 0) tells the model where sequences begin, so that
+attention never crosses from one sequence into another (transformers' packed-sequence masks).
+Only the response tokens' logits are computed, (1, N, V) with N the micro-batch's response tokens;
+`MicroBatch.response_logprobs` puts them back in (B, T) for the loss.
 """
 from __future__ import annotations
 
@@ -103,14 +110,34 @@ class MicroBatch:
     ref_logprobs_BT: torch.Tensor | None
     advantages_B: torch.Tensor
     logits_to_keep: torch.Tensor  # columns whose logits predict the response tokens
+    # Padding-free layout only: the response tokens in row order (1, N), and where each sits in
+    # (B, T). None in the padded layout, whose logits are already (B, T, V).
+    packed_response_ids_1N: torch.Tensor | None = None
+    response_present_BT: torch.Tensor | None = None
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids_BL, "attention_mask": self.attention_mask_BL,
-                "position_ids": self.position_ids_3BL, "logits_to_keep": self.logits_to_keep,
-                "use_cache": False, **self.mm_inputs}  # type: ignore[dict-item]
+        # a packed row has no attention mask: its 4-row positions mark the sequences' starts
+        mask = {} if self.packed_response_ids_1N is not None else {"attention_mask": self.attention_mask_BL}
+        return {"input_ids": self.input_ids_BL, **mask, "position_ids": self.position_ids_3BL,
+                "logits_to_keep": self.logits_to_keep, "use_cache": False, **self.mm_inputs}  # type: ignore[dict-item]
+
+    def response_logprobs(self, logits: torch.Tensor, temperature: float,
+                          forbidden_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs_BT, entropy_BT) of the response tokens from the model's kept logits, in
+        either layout; zeros where a row has no response token."""
+        if self.packed_response_ids_1N is None:
+            return sampling_logprobs(logits, self.response_ids_BT, temperature, forbidden_token_ids)
+        logprobs_1N, entropy_1N = sampling_logprobs(logits, self.packed_response_ids_1N, temperature,
+                                                    forbidden_token_ids)
+        present = self.response_present_BT
+        zeros = torch.zeros(present.shape, dtype=logprobs_1N.dtype, device=logprobs_1N.device)  # type: ignore[union-attr]
+        return zeros.masked_scatter(present, logprobs_1N[0]), zeros.masked_scatter(present, entropy_1N[0])
 
 
-def collate(seqs: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
+def collate(seqs: Sequence[TrainSequence], pad_id: int, padding_free: bool = False) -> MicroBatch:
+    """The micro-batch's tensors: padded rows, or one packed row with `padding_free`."""
+    if padding_free:
+        return collate_packed(seqs, pad_id)
     B = len(seqs)
     P = max(len(s.prompt_ids) for s in seqs)
     T = max(max(len(s.response_ids) for s in seqs), 1)
@@ -118,37 +145,86 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attention = torch.zeros((B, L), dtype=torch.long)
     positions = torch.zeros((3, B, L), dtype=torch.long)
-    response = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    behaviour = torch.zeros((B, T), dtype=torch.float32)
     for i, s in enumerate(seqs):
         n_p, n_r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, P - n_p:P] = torch.tensor(s.prompt_ids)
         attention[i, P - n_p:P + n_r] = 1
         positions[:, i, P - n_p:P] = s.position_ids_3P
-        # response tokens continue the text positions after the prompt's largest position,
-        # unless the response holds media and brings its own positions
-        if s.response_position_ids_3T is not None and n_r:
-            positions[:, i, P:P + n_r] = s.response_position_ids_3T
-            positions[:, i, P + n_r:] = int(s.response_position_ids_3T.max()) + 1 + torch.arange(T - n_r)
-        else:
-            positions[:, i, P:] = s.next_position + torch.arange(T)
+        own = _response_positions(s)
+        positions[:, i, P:P + n_r] = own
+        # the right padding continues the positions (its tokens are masked out)
+        last = int(own.max()) if n_r else s.next_position - 1
+        positions[:, i, P + n_r:] = last + 1 + torch.arange(T - n_r)
         if n_r:
             input_ids[i, P:P + n_r] = torch.tensor(s.response_ids)
-            response[i, :n_r] = torch.tensor(s.response_ids)
-            mask[i, :n_r] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            behaviour[i, :n_r] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+    response, mask, behaviour = _response_rows(seqs, T, pad_id)
     old = _padded([s.old_logprobs for s in seqs], T)
     ref = _padded([s.ref_logprobs for s in seqs], T)
-    # per row: the prompt's media, then the response's (the order their tokens appear in)
-    rows_mm = [(s.mm_inputs, s.response_mm_inputs) for s in seqs]
-    mm_keys = sorted({k for a, b in rows_mm for k in (*a, *b)})
-    mm_inputs = {k: torch.cat([part[k] for a, b in rows_mm for part in (a, b) if k in part]) for k in mm_keys}
+    mm_inputs = _media(seqs)
     return MicroBatch(input_ids_BL=input_ids, attention_mask_BL=attention, position_ids_3BL=positions,
                       mm_inputs=mm_inputs, response_ids_BT=response, mask_BT=mask,
                       behaviour_logprobs_BT=behaviour, old_logprobs_BT=old, ref_logprobs_BT=ref,
                       advantages_B=torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
                       logits_to_keep=torch.arange(P - 1, P + T - 1))
+
+
+def _response_positions(s: TrainSequence) -> torch.Tensor:
+    """(3, n_r): a response's own positions when it holds media, else the text positions that
+    continue after the prompt's largest position."""
+    n_r = len(s.response_ids)
+    if s.response_position_ids_3T is not None and n_r:
+        return s.response_position_ids_3T
+    return (s.next_position + torch.arange(n_r)).expand(3, n_r)
+
+
+def _response_rows(seqs: Sequence[TrainSequence], T: int,
+                   pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(response_ids_BT, mask_BT, behaviour_logprobs_BT), right-padded to T."""
+    B = len(seqs)
+    response = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    behaviour = torch.zeros((B, T), dtype=torch.float32)
+    for i, s in enumerate(seqs):
+        n_r = len(s.response_ids)
+        if n_r:
+            response[i, :n_r] = torch.tensor(s.response_ids)
+            mask[i, :n_r] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            behaviour[i, :n_r] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+    return response, mask, behaviour
+
+
+def _media(seqs: Sequence[TrainSequence]) -> dict[str, torch.Tensor]:
+    """Per sequence: the prompt's media, then the response's (the order their tokens appear in)."""
+    rows_mm = [(s.mm_inputs, s.response_mm_inputs) for s in seqs]
+    mm_keys = sorted({k for a, b in rows_mm for k in (*a, *b)})
+    return {k: torch.cat([part[k] for a, b in rows_mm for part in (a, b) if k in part]) for k in mm_keys}
+
+
+def collate_packed(seqs: Sequence[TrainSequence], pad_id: int = 0) -> MicroBatch:
+    """All sequences end to end in one row (trainer.padding_free): no pad token, each sequence
+    with its own positions plus a restarting text-position row that keeps attention inside it."""
+    T = max(max(len(s.response_ids) for s in seqs), 1)
+    ids, positions, keep, packed = [], [], [], []
+    start = 0
+    for s in seqs:
+        n_p, n_r = len(s.prompt_ids), len(s.response_ids)
+        ids += [*s.prompt_ids, *s.response_ids]
+        own = torch.cat([s.position_ids_3P, _response_positions(s)], dim=1)
+        positions.append(torch.cat([torch.arange(n_p + n_r).unsqueeze(0), own]))  # (4, n_p + n_r)
+        keep += range(start + n_p - 1, start + n_p + n_r - 1)  # the logits that predict the response
+        packed += s.response_ids
+        start += n_p + n_r
+    response, mask, behaviour = _response_rows(seqs, T, pad_id)  # (B, T) for the loss
+    lengths = torch.tensor([len(s.response_ids) for s in seqs])
+    return MicroBatch(input_ids_BL=torch.tensor([ids]), attention_mask_BL=torch.ones((1, start), dtype=torch.long),
+                      position_ids_3BL=torch.cat(positions, dim=1).unsqueeze(1), mm_inputs=_media(seqs),
+                      response_ids_BT=response, mask_BT=mask, behaviour_logprobs_BT=behaviour,
+                      old_logprobs_BT=_padded([s.old_logprobs for s in seqs], T),
+                      ref_logprobs_BT=_padded([s.ref_logprobs for s in seqs], T),
+                      advantages_B=torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
+                      logits_to_keep=torch.tensor(keep, dtype=torch.long),
+                      packed_response_ids_1N=torch.tensor([packed], dtype=torch.long),
+                      response_present_BT=torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1))
 
 
 def _padded(rows: list[list[float] | None], T: int) -> torch.Tensor | None:

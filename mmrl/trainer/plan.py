@@ -44,26 +44,29 @@ class StepInputs:
         return self.epochs * len(self.mini_batches)
 
 
-def padded_tokens(seqs: Sequence[TrainSequence]) -> int:
-    """What a micro-batch costs the forward: rows x (longest prompt + longest response); prompts
-    are left-padded and responses right-padded to those lengths (trainer.batch.collate)."""
+def padded_tokens(seqs: Sequence[TrainSequence], padding_free: bool = False) -> int:
+    """What a micro-batch costs the forward: rows x (longest prompt + longest response), as
+    prompts are left-padded and responses right-padded to those lengths (trainer.batch.collate);
+    with `padding_free`, the tokens themselves (one packed row)."""
     if not seqs:
         return 0
+    if padding_free:
+        return sum(s.num_tokens for s in seqs)
     return len(seqs) * (max(s.prompt_length for s in seqs) + max(len(s.response_ids) for s in seqs))
 
 
-def pack_micro_batches(seqs: Sequence[TrainSequence], *, max_rows: int,
-                       max_tokens: int | None = None) -> list[list[TrainSequence]]:
+def pack_micro_batches(seqs: Sequence[TrainSequence], *, max_rows: int, max_tokens: int | None = None,
+                       padding_free: bool = False) -> list[list[TrainSequence]]:
     """Greedy packing by length (longest first, so similar lengths share padding): a micro-batch
-    takes sequences while it has at most `max_rows` rows and costs at most `max_tokens` padded
-    tokens. A single sequence over the budget still gets a micro-batch of its own."""
+    takes sequences while it has at most `max_rows` sequences and costs at most `max_tokens`
+    tokens (`padded_tokens`). A single sequence over the budget still gets a micro-batch of its own."""
     if max_rows < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {max_rows}")
     order = sorted(seqs, key=lambda s: (s.prompt_length, len(s.response_ids)), reverse=True)
     bins: list[list[TrainSequence]] = []
     for seq in order:
         if bins and len(bins[-1]) < max_rows and (
-                max_tokens is None or padded_tokens(bins[-1] + [seq]) <= max_tokens):
+                max_tokens is None or padded_tokens(bins[-1] + [seq], padding_free) <= max_tokens):
             bins[-1].append(seq)
         else:
             bins.append([seq])
@@ -95,7 +98,7 @@ def _response_mask(seqs: Sequence[TrainSequence], T: int) -> torch.Tensor:
 
 def plan_updates(seqs: Sequence[TrainSequence], *, world_size: int, mini_batches: int = 1, epochs: int = 1,
                  micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
-                 loss_agg: str = "token_mean", seed: int = 0) -> list[StepInputs]:
+                 loss_agg: str = "token_mean", seed: int = 0, padding_free: bool = False) -> list[StepInputs]:
     """One StepInputs per rank. With several mini-batches the sequences are shuffled first (seeded),
     so each update sees a mix of prompts rather than the first groups of the batch."""
     if len(seqs) < world_size:
@@ -109,8 +112,8 @@ def plan_updates(seqs: Sequence[TrainSequence], *, world_size: int, mini_batches
     per_rank: list[list[MiniBatch]] = [[] for _ in range(world_size)]
     for part in split_even(order, min(mini_batches, len(order) // world_size or 1)):
         denominator = max(float(aggregate_denominator(_response_mask(part, T), loss_agg)), 1.0)
-        rank_bins = [pack_micro_batches(share, max_rows=micro_batch_size, max_tokens=max_tokens_per_micro_batch)
-                     for share in split_even(part, world_size)]
+        rank_bins = [pack_micro_batches(share, max_rows=micro_batch_size, max_tokens=max_tokens_per_micro_batch,
+                                        padding_free=padding_free) for share in split_even(part, world_size)]
         count = max(len(b) for b in rank_bins)
         for rank, bins in enumerate(rank_bins):
             per_rank[rank].append(MiniBatch(split_to_count(bins, count), denominator))
@@ -118,14 +121,14 @@ def plan_updates(seqs: Sequence[TrainSequence], *, world_size: int, mini_batches
 
 
 def plan_forward_only(seqs: Sequence[TrainSequence], *, world_size: int, micro_batch_size: int,
-                      max_tokens_per_micro_batch: int | None = None) -> tuple[list[list[list[TrainSequence]]],
-                                                                                 list[list[int]]]:
+                      max_tokens_per_micro_batch: int | None = None,
+                      padding_free: bool = False) -> tuple[list[list[list[TrainSequence]]], list[list[int]]]:
     """Micro-batches per rank for a no-grad pass (logprob recompute), and for each rank the
     indices into `seqs` in the order its results come back."""
     index = {id(s): i for i, s in enumerate(seqs)}
     chunks, order = [], []
-    bins_per_rank = [pack_micro_batches(share, max_rows=micro_batch_size, max_tokens=max_tokens_per_micro_batch)
-                     for share in split_even(list(seqs), world_size)]
+    bins_per_rank = [pack_micro_batches(share, max_rows=micro_batch_size, max_tokens=max_tokens_per_micro_batch,
+                                        padding_free=padding_free) for share in split_even(list(seqs), world_size)]
     count = max(len(b) for b in bins_per_rank)
     for bins in bins_per_rank:
         bins = split_to_count(bins, count)

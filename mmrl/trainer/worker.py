@@ -20,7 +20,7 @@ import numpy as np
 import ray
 import torch
 
-from mmrl.trainer.batch import TrainSequence, collate, resolve_prompts, sampling_logprobs
+from mmrl.trainer.batch import TrainSequence, collate, resolve_prompts
 from mmrl.trainer.deepspeed_config import build_deepspeed_config
 from mmrl.trainer.generate import GenerationRequest
 from mmrl.trainer.plan import StepInputs, filler_for
@@ -51,6 +51,7 @@ class TrainerSpec:
     trust_remote_code: bool = False
     reference_model: bool = False  # load a frozen reference policy (KL); with LoRA: adapters off
     lora: dict[str, Any] | None = None  # {rank, alpha, dropout, target_modules}; None = full fine-tuning
+    padding_free: bool = False  # micro-batches as one packed row (trainer.padding_free)
 
 
 class TrainerWorker:
@@ -126,11 +127,10 @@ class TrainerWorker:
     # ---- forward helpers -------------------------------------------------------------------------
     def _forward(self, seqs: Sequence[TrainSequence], engine: Any = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
         engine = engine or self.engine
-        mb = collate(seqs, self.spec.pad_token_id)
+        mb = collate(seqs, self.spec.pad_token_id, self.spec.padding_free)
         with self.vision_aligned(engine, mb.mm_inputs):
             out = engine(**mb.model_inputs())
-        logprobs_BT, entropy_BT = sampling_logprobs(out.logits, mb.response_ids_BT, self.spec.temperature,
-                                                    self.spec.forbidden_token_ids)
+        logprobs_BT, entropy_BT = mb.response_logprobs(out.logits, self.spec.temperature, self.spec.forbidden_token_ids)
         return mb, logprobs_BT, entropy_BT
 
     @contextmanager
