@@ -32,6 +32,9 @@ QUICK: dict[str, list[str]] = {
     "video_probe.py": ["--steps", "20", "--eval-every", "10", "--conditions", "main", "--out", "{out}/video_probe.json"],
     "weight_sync.py": ["--steps", "3", "--world-sizes", "1", "--out", "{out}"],
     "rollout.py": ["--prompts", "4", "--repeats", "1", "--out", "{out}"],
+    "startup.py": ["--rounds", "1", "--out", "{out}"],
+    "trainer_bound.py": ["--hidden-size", "128", "--num-layers", "2", "--prompts", "2", "--group", "4",
+                         "--max-new", "16", "--rounds", "1", "--out", "{out}"],
     "vs_trl.py": ["--regimes", "demo", "--max-steps", "5", "--out", "{out}"],
 }
 

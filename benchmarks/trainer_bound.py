@@ -1,7 +1,7 @@
 """How close does mmrl's training step come to a plain PyTorch loop on the same tokens?
 
     .venv/bin/python benchmarks/trainer_bound.py [--hidden-size 1024] [--num-layers 4] \
-        [--prompts 8] [--group 8] [--max-new 128] [--rounds 3]
+        [--prompts 4] [--group 8] [--max-new 128] [--rounds 3]
 
 One batch as a long-generation GRPO step has it: colours held-out prompts (an image each), `group`
 responses per prompt of seeded random lengths 8..max_new, advantages +-1. Arms, in alternating
@@ -95,7 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden-size", type=int, default=1024)
     ap.add_argument("--num-layers", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--micro-batch-size", type=int, default=16)

@@ -157,6 +157,9 @@ def start_runtime(cfg: Config) -> Runtime:
     if not vllm_backend:
         engines = [TrainerRolloutEngine.as_actor(p.ray_options(), trainers, processor_spec)
                    for p in plan if p.role == "rollout"]
+    # The engines and ranks start now (vLLM's start and DeepSpeed's take seconds each), while the
+    # reward pool below waits for its workers and the rollout workers come up.
+    starting = [t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines]
     # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
     rewards = RewardPool([{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards],
@@ -167,7 +170,7 @@ def start_runtime(cfg: Config) -> Runtime:
                              cfg.rollout.agent_loop_args, cfg.rollout.max_requests_per_engine,
                              actor_options=next(p for p in plan if p.role == "rollout_worker").ray_options())
     startup.mark("workers_started")  # reward and rollout workers; the engines and ranks start meanwhile
-    ray.get([t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines])
+    ray.get(starting)
     startup.mark("engines_and_ranks")
     workers.ready()
     startup.mark("rollout_workers_ready")
