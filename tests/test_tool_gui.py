@@ -294,7 +294,7 @@ def test_list_marks_names_every_tag_of_the_new_screen_in_the_tool_text():
 def test_open_menus_adds_an_open_action_for_menu_headers_only():
     """open_menus=True: `open(mark)` opens the menu tagged `mark` (another open menu is replaced,
     the open one stays open); a tag that is not a menu header is refused with the headers' tags.
-    `click` is unchanged, and without the option there is no `open`."""
+    `click` then refuses menu headers, in both states; without the option there is no `open`."""
     spec = DesktopSpec.generate(3, task="gui_click", layout="fixed")
     env = make_env(spec, marks=True, open_menus=True)
     assert [f["function"]["name"] for f in env.functions()] == ["click", "type", "open"]
@@ -308,8 +308,16 @@ def test_open_menus_adds_an_open_action_for_menu_headers_only():
     assert env.call("open", {"mark": target}).text == f"menu '{spec.task.menu}' is open"
     with pytest.raises(ToolError, match="open takes the tag of a menu header"):
         env.call("open", {"mark": 3})  # an item of the open menu: clicked, not opened
+    with pytest.raises(ToolError, match=r"menu headers are opened with open\(mark\), got 0"):
+        env.call("click", {"mark": 0})  # a header, while a menu is open: refused, the menu stays open
+    assert env.state()["errors"] == 3 and not env.state()["done"]
     item = [e.label for e in clickable(spec, spec.task.menu)].index(spec.task.item)
-    assert env.call("click", {"mark": item}).done and env.state()["success"] and env.state()["errors"] == 2
+    assert env.call("click", {"mark": item}).done and env.state()["success"] and env.state()["errors"] == 3
+    closed = make_env(spec, marks=True, open_menus=True)
+    with pytest.raises(ToolError, match="menu headers are opened with open"):
+        closed.call("click", {"mark": target})  # no menu open: refused too, nothing opens
+    assert closed.open_menu is None
+    assert "menu headers: open" in closed.functions()[0]["function"]["description"]
     with pytest.raises(ToolError, match=r"unknown function 'open'; use click\(mark\), type\(text\)$"):
         make_env(spec, marks=True).call("open", {"mark": 0})
     with pytest.raises(ValueError, match="open_menus"):

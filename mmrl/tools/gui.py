@@ -39,7 +39,11 @@ the field, buttons while no menu is open; the menus, then the open menu's items,
 (`marks_text`: "Marks: 0 'File' 1 'Edit' 2 'View' 3 'New' ..."), as an accessibility tree
 would: the numbers a click may use are then tokens in the context, not only pixels.
 `open_menus=True` (with marks) adds `open(mark)`: open the menu tagged `mark` (a menu header's
-tag only; an open menu stays open, another one replaces it). A two-step task can then be written
+tag only; an open menu stays open, another one replaces it), and `click` then refuses menu
+headers: headers are for `open`, items, buttons and the field for `click`. (With header clicks
+allowed, the gui_click run's second step settled on clicking the header it had just opened, a
+valid call that closed the menu: for one menu of three every sample did it from step ~300 on,
+every group's reward the same, no gradient left to find the items.) A two-step task can then be written
 with one verb per step (`tool_choice: [open, click]` in the multi_turn loop): "open" and "click"
 are different contexts for the number that follows, so what RL teaches the first step (menu
 numbers up, the others down) does not carry over to the second, where the items' numbers must be
@@ -437,7 +441,8 @@ class GuiEnvironment(Tool):
     def functions(self) -> list[dict[str, Any]]:
         w, h = self.spec.width, self.spec.height
         if self.marks:
-            desc = "Click the element tagged with a number in the screenshot."
+            desc = ("Click the item, button or field tagged with a number in the screenshot (menu headers: open)."
+                    if self.open_menus else "Click the element tagged with a number in the screenshot.")
             xy = {"mark": {"type": "integer", "minimum": 0, "description": "the number on the element's tag"}}
         elif self.grid:
             n = self.grid
@@ -502,7 +507,11 @@ class GuiEnvironment(Tool):
             elif function == "open":
                 text = self._open(arguments["mark"])
             elif self.marks:
-                text = self._click(*self.mark_pixel(arguments["mark"]))
+                x, y = self.mark_pixel(arguments["mark"])
+                if self.open_menus and self.spec.hit(x, y, ("menu",)) is not None:
+                    raise ToolError(f"click takes the tag of an item, a button or the field; menu headers are opened "
+                                    f"with open(mark), got {arguments['mark']!r}")
+                text = self._click(x, y)
             else:
                 text = self._click(*self.to_pixels(arguments["x"], arguments["y"]))
         except ToolError as e:
