@@ -70,3 +70,20 @@ def test_milestones_split_the_time_since_the_process_started(monkeypatch: pytest
     marks.mark("ray")
     marks.mark("imports")  # a phase met twice adds up
     assert marks.metrics() == {"startup/imports_s": 10.5, "startup/ray_s": 4.5, "startup/total_s": 15.0}
+
+
+def test_cpu_seconds_by_kind_of_process() -> None:
+    """by_process: the root is "driver", a process titled like a Ray actor or a vLLM process counts
+    under its class (summed over instances), anything else under "ray" (Ray's own servers)."""
+    clock = ProcessTreeClock(refresh_s=0.0)
+    titles = ["ray::FakeActor.setup", "ray::FakeActor.train_step", "VLLM::EngineCore", "gcs_server"]
+    children = [subprocess.Popen([title, "-c", BURN], executable=sys.executable, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True) for title in titles]
+    try:
+        burnt = [float(c.stdout.readline()) for c in children]
+        kinds = clock.by_process()
+    finally:
+        for c in children:
+            c.communicate("")
+    assert kinds["FakeActor"] >= burnt[0] + burnt[1] and kinds["EngineCore"] >= burnt[2]
+    assert kinds["ray"] >= burnt[3] and kinds["driver"] > 0

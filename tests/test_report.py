@@ -260,3 +260,22 @@ def test_report_on_a_real_demo_run(tiny_model_dir: Path, colors_dir: Path, tmp_p
     assert {"imports", "ray", "processor", "engines_and_ranks", "data", "first_eval", "first_step"} <= set(startup)
     assert sum(v for k, v in startup.items() if k != "total") == pytest.approx(startup["total"])
     assert all(v >= 0 for v in startup.values()) and "start-up:" in out
+    # and what each kind of process spent on it: every process pays its own imports
+    assert {"driver", "TrainerWorker", "RolloutEngine", "RolloutWorker", "ray"} <= set(summary["startup_cpu"])
+    assert "start-up CPU:" in out
+
+
+def test_startup_cpu_by_kind_of_process(tmp_path: Path) -> None:
+    """startup_cpu/<kind>_s (logged with the first step): the CPU seconds each kind of process
+    spent to get there, largest first, and the wall time they need at least on the run's cores."""
+    run = _write_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[1].update({"startup/imports_s": 9.0, "startup/total_s": 9.0, "cores/available": 2.0, "startup_cpu/driver_s": 10.0,
+                    "startup_cpu/TrainerWorker_s": 30.0, "startup_cpu/EngineCore_s": 20.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    console, out = _console()
+    summary = write_report(run, console)
+    assert list(summary["startup_cpu"]) == ["TrainerWorker", "EngineCore", "driver"]
+    line = ("start-up CPU: 60.0 s over the run's processes (>= 30.0 s of wall time on 2 cores): "
+            "TrainerWorker 30.0, EngineCore 20.0, driver 10.0")
+    assert line in out.getvalue() and line in (run / "report" / "summary.md").read_text()

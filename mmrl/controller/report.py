@@ -217,6 +217,7 @@ def summarize(run_dir: Path, log: MetricsLog) -> dict[str, Any]:
         "throughput": throughput,
         "cores_available": next((r["cores/available"] for r in reversed(timed) if "cores/available" in r), None),
         "startup": _startup(timed),
+        "startup_cpu": _startup_cpu(timed),
         "top": {"span": top.name, "share": top.share, "mean_s": top.mean_s,
                 "hint": hint(top.name, config, log.rows, run_dir)},
         "notes": log.notes,
@@ -229,6 +230,19 @@ def _startup(timed: list[dict[str, Any]]) -> dict[str, float] | None:
     if row is None:
         return None
     return {k[len("startup/"):-2]: v for k, v in row.items() if k.startswith("startup/") and k.endswith("_s")}
+
+
+def _startup_cpu(timed: list[dict[str, Any]]) -> dict[str, float] | None:
+    """CPU seconds per kind of process up to the end of the latest process's first step, largest first."""
+    row = next((r for r in reversed(timed) if "startup/total_s" in r), None)
+    cpu = {k[len("startup_cpu/"):-2]: v for k, v in (row or {}).items() if k.startswith("startup_cpu/")}
+    return dict(sorted(cpu.items(), key=lambda kv: -kv[1])) or None
+
+
+def _startup_cpu_line(cpu: dict[str, float], cores: float | None) -> str:
+    kinds = ", ".join(f"{name} {s:.1f}" for name, s in cpu.items())
+    bound = f" (>= {sum(cpu.values()) / cores:.1f} s of wall time on {cores:g} cores)" if cores else ""
+    return f"start-up CPU: {sum(cpu.values()):.1f} s over the run's processes{bound}: {kinds}"
 
 
 def _startup_line(startup: dict[str, float]) -> str:
@@ -276,6 +290,8 @@ def render(summary: dict[str, Any], console: Any) -> None:
         console.print(f"steps: {steps['last']} of run.max_steps={steps['max_steps']} (still going, or stopped early)")
     if summary.get("startup"):
         console.print(_startup_line(summary["startup"]), highlight=False)
+    if summary.get("startup_cpu"):
+        console.print(_startup_cpu_line(summary["startup_cpu"], summary.get("cores_available")), highlight=False)
     tp = summary["throughput"]
     line = f"throughput: {tp['steps_per_min']:.2f} steps/min"
     if "samples_per_min" in tp:
@@ -297,6 +313,8 @@ def to_markdown(summary: dict[str, Any], plots: list[str], skipped: dict[str, st
              + (f", {tp['samples_per_min']:.0f} samples/min" if "samples_per_min" in tp else "") + ".", "",
              f"**Where the time goes:** {top['span']} ({_fmt_share(top['share'])}): {top['hint']}", "",
              *([_startup_line(summary["startup"]) + ".", ""] if summary.get("startup") else []),
+             *([_startup_cpu_line(summary["startup_cpu"], summary.get("cores_available")) + ".", ""]
+               if summary.get("startup_cpu") else []),
              f"| span | s/step | share | p50 s | p95 s | steps | {_cores_column(summary.get('cores_available'))} |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary["spans"] + [summary["other"]]:

@@ -188,6 +188,8 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
             if step == start_step:  # this process's start-up, through its first step (cold caches and all)
                 rt.startup.mark("first_step")
                 metrics.update(rt.startup.metrics())
+                if rt.cpu_clock is not None:  # what each kind of process spent to get here
+                    metrics.update({f"startup_cpu/{k}_s": v for k, v in rt.cpu_clock.by_process().items()})
             if hooks.after_step:
                 hooks.after_step(rt, step, metrics)
             logger.log(step, metrics)

@@ -48,3 +48,30 @@ class ProcessTreeClock:
                 continue
             total += t.user + t.system
         return total
+
+    def by_process(self) -> dict[str, float]:
+        """CPU seconds so far per kind of process in the tree: Ray actors and vLLM processes by
+        their class ("TrainerWorker", "RolloutEngine", "EngineCore", "Worker", ...), summed over
+        instances; "driver" for the root; "ray" for Ray's own servers and agents. Where a run's
+        start-up goes on a small machine: each process pays its imports."""
+        out: dict[str, float] = {}
+        for p in [self.root, *self._children()]:
+            try:
+                title = (p.cmdline() or [p.name()])[0]
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            if p.pid == self.root.pid:
+                kind = "driver"
+            elif title.startswith(("ray::", "VLLM::")):
+                kind = title.split("::", 1)[1].split(".", 1)[0] or "ray"
+            else:
+                kind = "ray"  # gcs_server, raylet, dashboard, log monitor, agents
+            out[kind] = out.get(kind, 0.0) + t.user + t.system
+        return out
+
+    def _children(self) -> list[psutil.Process]:
+        try:
+            return self.root.children(recursive=True)
+        except psutil.Error:
+            return []
