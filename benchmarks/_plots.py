@@ -1,6 +1,7 @@
-"""What every benchmark plot repeats: a headless figure of panels, accuracy axes, saving."""
+"""What every benchmark repeats: a headless figure of panels, accuracy axes, saving; the results JSON."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,12 @@ def save(fig: Any, title: str, path: Path) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def write_result(out_dir: str | Path, name: str, result: dict[str, Any]) -> Path:
+    """`result` as `out_dir/name` (indented JSON), the folder made if missing; says where."""
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return path

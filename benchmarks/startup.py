@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from _plots import write_result  # noqa: E402
 
 
 def worktree(rev: str) -> Path:
@@ -79,10 +81,7 @@ def main() -> None:
         base, cur = medians[f"baseline {args.baseline}"]["total"], medians["current"]["total"]
         result["ratio_baseline_to_current"] = base / cur
         print(f"baseline / current: {base / cur:.2f}x")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "startup.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {out / 'startup.json'}")
+    write_result(args.out, "startup.json", result)
 
 
 if __name__ == "__main__":

@@ -6,20 +6,21 @@
 One batch as a long-generation GRPO step has it: colours held-out prompts (an image each), `group`
 responses per prompt of seeded random lengths 8..max_new, advantages +-1. Arms, in alternating
 rounds in one run, each doing one full update on the batch:
-  * bound: this process, the HF model, torch AdamW, the same micro-batches (`plan_updates`) in the
-    padding-free layout (the real tokens only), `micro_batch_loss`, backward, optimizer step;
-  * mmrl ws=1 padded / ws=1 padding-free: the real trainer rank (Ray actor, DeepSpeed ZeRO-3)
+  * bound_padded / bound_packed: this process, the HF model, torch AdamW, the same micro-batches
+    (`plan_updates`) in the padded or the padding-free layout, `micro_batch_loss`, backward,
+    optimizer step: the plain loop;
+  * ws1_padded / ws1_padding_free: the real trainer rank (Ray actor, DeepSpeed ZeRO-3)
     `train_step`, sequences sent to it as a step sends them;
-  * mmrl ws=2 padding-free: two ranks, each half the batch and one thread (the ZeRO-3 cost on 2 cores).
+  * ws2_padded: two ranks, each half the batch and one thread (the ZeRO-3 cost on 2 cores).
 Threads: the bound and a lone rank use all cores, as `TrainerWorker` does. tokens/s = the batch's
 real tokens (prompt, vision placeholders and response) / the update's wall seconds; medians over
-rounds after one warm-up each; ratios to the bound. Goal (issue 15): ws=1 >= 0.8 of the bound.
+rounds after one warm-up each; ratios to the plain loop in the same layout and to the faster of
+the two plain loops (the bound). Goal (issue 15): ws=1 >= 0.8 of the bound.
 Writes benchmarks/results/trainer_bound.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -30,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
+from _plots import write_result  # noqa: E402
 from weight_sync import ensure_data, ensure_model  # noqa: E402
 
 
@@ -55,8 +57,8 @@ def build_batch(model_dir: Path, data_dir: Path, prompts: int, group: int, max_n
     return seqs, proc.pad_token_id
 
 
-def bound_update(model, optimizer, plan, pad_id: int) -> None:
-    """The plain loop: same micro-batches, packed, same loss, torch AdamW."""
+def bound_update(model, optimizer, plan, pad_id: int, padding_free: bool) -> None:
+    """The plain loop: same micro-batches, same layout, same loss, torch AdamW."""
     from mmrl import registry
     from mmrl.trainer.batch import collate
     from mmrl.trainer.update import LossSettings, micro_batch_loss
@@ -64,7 +66,7 @@ def bound_update(model, optimizer, plan, pad_id: int) -> None:
     policy_loss, settings = registry.resolve("policy_loss", "ppo_clip"), LossSettings()
     for mini in plan.mini_batches:
         for chunk in mini.micro_batches:
-            mb = collate(chunk, pad_id, padding_free=True)
+            mb = collate(chunk, pad_id, padding_free=padding_free)
             logprobs_BT, entropy_BT = mb.response_logprobs(model(**mb.model_inputs()).logits, 1.0, [])
             loss, _ = micro_batch_loss(policy_loss, settings, logprobs_BT, entropy_BT, mb.mask_BT, mb.advantages_B,
                                        mb.behaviour_logprobs_BT, None, None, 1.0 / mini.loss_denominator)
@@ -100,7 +102,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--micro-batch-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--arms", nargs="+", default=["bound", "ws1_padded", "ws1_padding_free", "ws2_padding_free"])
+    ap.add_argument("--arms", nargs="+", default=["bound_padded", "bound_packed", "ws1_padded", "ws1_padding_free",
+                                                  "ws2_padded"])
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -124,14 +127,15 @@ def main() -> None:
                             padding_free=padding_free)
 
     runners = {}
-    if "bound" in args.arms:
-        torch.set_num_threads(cores)
+    torch.set_num_threads(cores)
+    for arm in [a for a in args.arms if a.startswith("bound")]:
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        bound_plan = plans(1, True)[0]
-        runners["bound"] = lambda: bound_update(model, optimizer, bound_plan, pad_id)
+        packed = arm == "bound_packed"
+        runners[arm] = (lambda model=model, optimizer=optimizer, plan=plans(1, packed)[0], packed=packed:
+                        bound_update(model, optimizer, plan, pad_id, packed))
     init_local_ray(num_cpus=cores, include_dashboard=False)
-    for arm in [a for a in args.arms if a != "bound"]:
+    for arm in [a for a in args.arms if not a.startswith("bound")]:
         world_size, padding_free = int(arm[2]), arm.endswith("padding_free")
         ranks = start_ranks(model_dir, world_size, padding_free, pad_id)
         arm_plans = plans(world_size, padding_free)
@@ -160,18 +164,21 @@ def main() -> None:
         "seconds": seconds, "median_s": median,
         "tokens_per_s": {arm: real_tokens / s for arm, s in median.items()},
     }
-    if "bound" in median:
-        result["ratio_to_bound"] = {arm: median["bound"] / s for arm, s in median.items() if arm != "bound"}
+    bounds = {arm: s for arm, s in median.items() if arm.startswith("bound")}
+    if bounds:
+        best = min(bounds.values())
+        result["bound_s"] = best
+        result["ratio_to_bound"] = {arm: best / s for arm, s in median.items() if arm not in bounds}
+        same = {arm: "bound_packed" if arm.endswith("padding_free") else "bound_padded" for arm in median}
+        result["ratio_to_same_layout_loop"] = {arm: median[same[arm]] / s for arm, s in median.items()
+                                               if arm not in bounds and same[arm] in median}
     print(f"padding: the padded layout computes {padded_cost} tokens for {real_tokens} real ones "
           f"({padded_cost / real_tokens:.2f}x)")
     for arm, s in median.items():
         ratio = result.get("ratio_to_bound", {}).get(arm)
         print(f"{arm:18s} {s:7.2f} s/update  {real_tokens / s:8.0f} tokens/s"
               + (f"  {ratio:.2f}x the bound" if ratio is not None else ""))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "trainer_bound.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {out / 'trainer_bound.json'}")
+    write_result(args.out, "trainer_bound.json", result)
 
 
 if __name__ == "__main__":

@@ -334,7 +334,10 @@ class TrainerConfig:
     max_tokens_per_micro_batch: Optional[int] = None
     # Lay a micro-batch's sequences end to end in one row, without padding, each with its own
     # positions (mmrl/trainer/batch.py::collate_packed). Same logprobs and gradients as the padded
-    # rows (tests/test_padding_free.py); faster when lengths differ (benchmarks/trainer_bound.py).
+    # rows (tests/test_padding_free.py). It removes the padding but, with PyTorch SDPA attention
+    # (CPU), attends over the whole row under a block mask: on ~2,000-token micro-batches with 25%
+    # padding it was slower than the padded rows here (benchmarks/trainer_bound.py), so it is off
+    # by default; it pays where padding dominates and rows stay short.
     padding_free: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Merged over mmrl's ZeRO-3 defaults (mmrl.trainer.deepspeed_config).
