@@ -109,6 +109,11 @@ def run_mmrl(regime: str, model: Path, steps: int, target: float | None, seed: i
     (out / f"mmrl-{regime}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"mmrl ({regime}) failed, see {out}/mmrl-{regime}.log")
+    return mmrl_summary(run_dir, seen.get("first_step_s"), target, overrides)
+
+
+def mmrl_summary(run_dir: Path, first_step_s: float | None, target: float | None, overrides: list[str]) -> dict:
+    """An mmrl run's record from its metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     curve, train_s, step_s = [], 0.0, []
     for r in rows:
@@ -118,7 +123,7 @@ def run_mmrl(regime: str, model: Path, steps: int, target: float | None, seed: i
             step_s.append(s)
         if "eval/heldout_accuracy" in r:
             curve.append((r["step"], r["eval/heldout_accuracy"], train_s))
-    return summarise("mmrl", curve, step_s, seen.get("first_step_s"), target,
+    return summarise("mmrl", curve, step_s, first_step_s, target,
                      "mmrl train configs/colors_demo.yaml " + " ".join(o for o in overrides if "=" in o and
                                                                          not o.startswith(("run.output_dir",)))
                      .replace(str(REPO) + "/", ""))
@@ -138,6 +143,11 @@ def run_trl(python: Path, regime: str, model: Path, steps: int, target: float | 
     (out / f"trl-{regime}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"TRL ({regime}) failed, see {out}/trl-{regime}.log")
+    return trl_summary(metrics, target, args)
+
+
+def trl_summary(metrics: Path, target: float | None, args: list[str]) -> dict:
+    """A TRL run's record from the JSONL benchmarks/trl_grpo.py writes."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     curve = [(r["step"], r["heldout_accuracy"], r["train_s"]) for r in rows if "heldout_accuracy" in r]
     first = next((r["wall"] for r in rows if r["step"] >= 1), None)
@@ -158,7 +168,7 @@ def summarise(side: str, curve: list, step_s: list[float], first_step_s: float |
 def plot(results: dict, path: Path) -> None:
     fig, axes = panels(1, len(results))
     for ax, (regime, sides) in zip(axes[0], results.items()):
-        for side, r in sides.items():
+        for side, r in ((k, v) for k, v in sides.items() if k in ("mmrl", "trl")):
             _, acc, secs = zip(*r["curve"])
             ax.plot(secs, acc, marker=".", label=f"{side}: {r['completions_per_s']:.0f} completions/s")
         accuracy_axes(ax, "training seconds (eval left out)", "held-out accuracy (greedy)",
@@ -179,7 +189,9 @@ def main() -> None:
     out = Path(args.out)
     runs = out / "runs" / "vs_trl"
     runs.mkdir(parents=True, exist_ok=True)
-    results: dict = {}
+    path = out / "vs_trl.json"
+    # the regimes already measured stay (each is written as soon as it ends: the long one takes long)
+    results: dict = json.loads(path.read_text())["results"] if path.exists() else {}
     for regime in args.regimes:
         model = ensure_assets(regime)
         steps, target = (args.max_steps, args.target) if regime == "demo" else (args.long_steps, None)
@@ -193,10 +205,15 @@ def main() -> None:
               f"{m['train_s_to_target'] and round(m['train_s_to_target'])} s, TRL {t['steps_to_target']} steps / "
               f"{t['train_s_to_target'] and round(t['train_s_to_target'])} s; final accuracy "
               f"{m['final_accuracy']} vs {t['final_accuracy']}", flush=True)
+        write(results, regime, path)
+
+
+def write(results: dict, regime: str, path: Path) -> None:
+    """The JSON (each regime names the commit it was measured on) and the PNG, after each regime."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    (out / "vs_trl.json").write_text(json.dumps({"commit": commit, "trl": TRL, "prompts": PROMPTS, "group": GROUP,
-                                                 "results": results}, indent=1))
-    plot(results, out / "vs_trl.png")
+    results[regime]["commit"] = commit
+    path.write_text(json.dumps({"trl": TRL, "prompts": PROMPTS, "group": GROUP, "results": results}, indent=1))
+    plot(results, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":
