@@ -173,7 +173,7 @@ def plot(results: dict, path: Path) -> None:
             ax.plot(secs, acc, marker=".", label=f"{side}: {r['completions_per_s']:.0f} completions/s")
         accuracy_axes(ax, "training seconds (eval left out)", "held-out accuracy (greedy)",
                       f"{regime} ({REGIMES[regime][2]} new tokens)")
-    save(fig, "mmrl vs TRL GRPOTrainer, colours demo, same model / data / reward / hyper-parameters, CPU", path)
+    save(fig, "mmrl vs TRL GRPOTrainer (same task and settings), CPU", path)
 
 
 def main() -> None:
