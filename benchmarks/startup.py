@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from _plots import write_result  # noqa: E402
 
+sys.path.insert(0, str(REPO))
+from mmrl.controller.report import startup_phases  # noqa: E402
+
 
 def worktree(rev: str) -> Path:
     """A checkout of `rev` beside the runs (made once per rev), sharing this repo's `work/` assets."""
@@ -51,8 +54,7 @@ def run_once(code: Path, config: str, out: Path) -> dict[str, float]:
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed in {code}:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    first = next(r for r in rows if "startup/total_s" in r)
-    return {k[len("startup/"):-2]: v for k, v in first.items() if k.startswith("startup/")}
+    return startup_phases(next(r for r in rows if "startup/total_s" in r))
 
 
 def main() -> None:

@@ -80,10 +80,10 @@ def start_ranks(model_dir: Path, world_size: int, padding_free: bool, pad_id: in
 
     from mmrl.trainer.update import LossSettings
     from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
-    from mmrl.utils.env import engine_env
+    from mmrl.utils.env import engine_env, free_port
 
     spec = TrainerSpec(model_path=str(model_dir), dtype="float32", world_size=world_size, master_addr="127.0.0.1",
-                       master_port=29500 + random.randrange(1000), device="cpu", lr=1e-5, betas=(0.9, 0.999),
+                       master_port=free_port(), device="cpu", lr=1e-5, betas=(0.9, 0.999),
                        weight_decay=0.0, grad_clip=1.0, deepspeed={}, temperature=1.0, forbidden_token_ids=[],
                        pad_token_id=pad_id, loss=LossSettings(), seed=0,
                        env=engine_env(REPO / "runs" / "trainer_bound", "cpu"),
@@ -112,7 +112,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from mmrl.trainer.plan import plan_updates
+    from mmrl.trainer.plan import padded_tokens, plan_updates
     from mmrl.utils.env import init_local_ray
 
     model_dir, params = ensure_model(args.hidden_size, args.num_layers)
@@ -142,8 +142,7 @@ def main() -> None:
         runners[arm] = (lambda ranks=ranks, arm_plans=arm_plans:
                         ray.get([r.train_step.remote(p) for r, p in zip(ranks, arm_plans)]))
     padded_plan = plans(1, False)[0]
-    padded_cost = sum(len(c) * (max(s.prompt_length for s in c) + max(len(s.response_ids) for s in c))
-                      for m in padded_plan.mini_batches for c in m.micro_batches)
+    padded_cost = sum(padded_tokens(c) for m in padded_plan.mini_batches for c in m.micro_batches)
 
     seconds: dict[str, list[float]] = {arm: [] for arm in runners}
     for arm, run in runners.items():  # warm-up: first forward's allocations, DeepSpeed's first step

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,15 +32,9 @@ from mmrl.rollout.types import SamplingConfig, Trajectory
 from mmrl.rollout.workers import RolloutWorkers
 from mmrl.trainer.update import LossSettings
 from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
-from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
+from mmrl.utils.env import apply_env, cleanup_shm, engine_env, free_port, init_local_ray, resolve_device, rpc_dir
 from mmrl.utils.cpu_clock import ProcessTreeClock
 from mmrl.utils.timing import Milestones, StepSpans
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -145,7 +138,7 @@ def start_runtime(cfg: Config) -> Runtime:
     lora = cfg.trainer.lora
     spec = TrainerSpec(
         model_path=cfg.model.path, dtype=cfg.model.dtype.value, world_size=cfg.trainer.world_size,
-        master_addr="127.0.0.1", master_port=_free_port(), device=device, lr=cfg.trainer.lr,
+        master_addr="127.0.0.1", master_port=free_port(), device=device, lr=cfg.trainer.lr,
         betas=(cfg.trainer.betas[0], cfg.trainer.betas[1]), weight_decay=cfg.trainer.weight_decay,
         grad_clip=cfg.trainer.grad_clip, deepspeed=dict(cfg.trainer.deepspeed),
         temperature=cfg.rollout.temperature, forbidden_token_ids=forbidden, pad_token_id=processor.pad_token_id,

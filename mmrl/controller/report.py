@@ -224,18 +224,22 @@ def summarize(run_dir: Path, log: MetricsLog) -> dict[str, Any]:
     }
 
 
+def startup_phases(row: dict[str, Any], prefix: str = "startup/") -> dict[str, float]:
+    """`<prefix><name>_s` of a first step's metrics row as {name: seconds}, in logged order:
+    the start-up phases ("startup/") or the CPU seconds per kind of process ("startup_cpu/")."""
+    return {k[len(prefix):-2]: v for k, v in row.items() if k.startswith(prefix) and k.endswith("_s")}
+
+
 def _startup(timed: list[dict[str, Any]]) -> dict[str, float] | None:
     """The latest process's start-up phases (logged with its first step), in order."""
     row = next((r for r in reversed(timed) if "startup/total_s" in r), None)
-    if row is None:
-        return None
-    return {k[len("startup/"):-2]: v for k, v in row.items() if k.startswith("startup/") and k.endswith("_s")}
+    return startup_phases(row) if row else None
 
 
 def _startup_cpu(timed: list[dict[str, Any]]) -> dict[str, float] | None:
     """CPU seconds per kind of process up to the end of the latest process's first step, largest first."""
     row = next((r for r in reversed(timed) if "startup/total_s" in r), None)
-    cpu = {k[len("startup_cpu/"):-2]: v for k, v in (row or {}).items() if k.startswith("startup_cpu/")}
+    cpu = startup_phases(row, "startup_cpu/") if row else {}
     return dict(sorted(cpu.items(), key=lambda kv: -kv[1])) or None
 
 

@@ -100,7 +100,7 @@ def resolve_prompts(seqs: Sequence[TrainSequence]) -> None:
 @dataclass
 class MicroBatch:
     input_ids_BL: torch.Tensor
-    attention_mask_BL: torch.Tensor
+    attention_mask_BL: torch.Tensor | None  # None in the packed layout: its 4-row positions mark the starts
     position_ids_3BL: torch.Tensor
     mm_inputs: dict[str, torch.Tensor]
     response_ids_BT: torch.Tensor
@@ -116,8 +116,7 @@ class MicroBatch:
     response_present_BT: torch.Tensor | None = None
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        # a packed row has no attention mask: its 4-row positions mark the sequences' starts
-        mask = {} if self.packed_response_ids_1N is not None else {"attention_mask": self.attention_mask_BL}
+        mask = {} if self.attention_mask_BL is None else {"attention_mask": self.attention_mask_BL}
         return {"input_ids": self.input_ids_BL, **mask, "position_ids": self.position_ids_3BL,
                 "logits_to_keep": self.logits_to_keep, "use_cache": False, **self.mm_inputs}  # type: ignore[dict-item]
 
@@ -216,7 +215,7 @@ def collate_packed(seqs: Sequence[TrainSequence], pad_id: int = 0) -> MicroBatch
         start += n_p + n_r
     response, mask, behaviour = _response_rows(seqs, T, pad_id)  # (B, T) for the loss
     lengths = torch.tensor([len(s.response_ids) for s in seqs])
-    return MicroBatch(input_ids_BL=torch.tensor([ids]), attention_mask_BL=torch.ones((1, start), dtype=torch.long),
+    return MicroBatch(input_ids_BL=torch.tensor([ids]), attention_mask_BL=None,
                       position_ids_3BL=torch.cat(positions, dim=1).unsqueeze(1), mm_inputs=_media(seqs),
                       response_ids_BT=response, mask_BT=mask, behaviour_logprobs_BT=behaviour,
                       old_logprobs_BT=_padded([s.old_logprobs for s in seqs], T),

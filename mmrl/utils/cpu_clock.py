@@ -32,10 +32,7 @@ class ProcessTreeClock:
     def _processes(self) -> list[psutil.Process]:
         now = time.monotonic()
         if now - self._listed_at >= self.refresh_s:
-            try:
-                self._procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.Error:  # the root itself is gone: nothing to count
-                self._procs = []
+            self._procs = [self.root, *self._children()] if self.root.is_running() else []
             self._listed_at = now
         return self._procs
 
@@ -73,5 +70,5 @@ class ProcessTreeClock:
     def _children(self) -> list[psutil.Process]:
         try:
             return self.root.children(recursive=True)
-        except psutil.Error:
+        except psutil.Error:  # the root itself is gone: nothing to count
             return []
