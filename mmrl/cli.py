@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed when the server is up)")
     p.add_argument("--on-drift", choices=["splice", "flag"], default="splice")
     p.add_argument("--parser", default="hermes", help="tool-call parser for replies' tool_calls ('' = none)")
     p.set_defaults(func=cmd_serve_rollout)

@@ -3,7 +3,7 @@ outside agent through the `openai` package (a real engine in a real server proce
 from __future__ import annotations
 
 import os
-import socket
+import re
 import subprocess
 import sys
 import time
@@ -15,30 +15,24 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_rollout_records_an_outside_agents_trajectory(tiny_model_dir: Path, colors_dir: Path, tmp_path: Path) -> None:
     import httpx
     from openai import OpenAI
 
-    port = _free_port()
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mmrl.cli", "serve-rollout", str(REPO / "configs" / "colors_demo.yaml"),
          f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-000000.tar",
          f"data.heldout_shards={colors_dir}/heldout-000000.tar", f"run.output_dir={tmp_path / 'run'}",
-         "rollout.max_new_tokens=6", "cluster.num_cpus=2", "--port", str(port)],
+         "rollout.max_new_tokens=6", "cluster.num_cpus=2", "--port", "0"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         deadline = time.monotonic() + 900  # a hang guard: the engine starts in minutes on a loaded machine
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            port = _served_port(tmp_path / "serve.log")
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if port and httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -66,3 +60,9 @@ def test_serve_rollout_records_an_outside_agents_trajectory(tiny_model_dir: Path
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _served_port(log: Path) -> int | None:
+    """The port the server printed (it was started with --port 0: the kernel picked it)."""
+    found = re.search(r"rollout proxy on http://127\.0\.0\.1:(\d+)/v1", log.read_text())
+    return int(found.group(1)) if found else None

@@ -31,8 +31,8 @@ from mmrl.rollout.trainer_engine import TrainerRolloutEngine
 from mmrl.rollout.types import SamplingConfig, Trajectory
 from mmrl.rollout.workers import RolloutWorkers
 from mmrl.trainer.update import LossSettings
-from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
-from mmrl.utils.env import apply_env, cleanup_shm, engine_env, free_port, init_local_ray, resolve_device, rpc_dir
+from mmrl.trainer.worker import TrainerSpec, make_trainer_actors, setup_ranks
+from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
 from mmrl.utils.cpu_clock import ProcessTreeClock
 from mmrl.utils.timing import Milestones, StepSpans
 
@@ -138,7 +138,7 @@ def start_runtime(cfg: Config) -> Runtime:
     lora = cfg.trainer.lora
     spec = TrainerSpec(
         model_path=cfg.model.path, dtype=cfg.model.dtype.value, world_size=cfg.trainer.world_size,
-        master_addr="127.0.0.1", master_port=free_port(), device=device, lr=cfg.trainer.lr,
+        master_addr="127.0.0.1", device=device, lr=cfg.trainer.lr,
         betas=(cfg.trainer.betas[0], cfg.trainer.betas[1]), weight_decay=cfg.trainer.weight_decay,
         grad_clip=cfg.trainer.grad_clip, deepspeed=dict(cfg.trainer.deepspeed),
         temperature=cfg.rollout.temperature, forbidden_token_ids=forbidden, pad_token_id=processor.pad_token_id,
@@ -152,7 +152,7 @@ def start_runtime(cfg: Config) -> Runtime:
                    for p in plan if p.role == "rollout"]
     # The engines and ranks start now (vLLM's start and DeepSpeed's take seconds each), while the
     # reward pool below waits for its workers and the rollout workers come up.
-    starting = [t.setup.remote() for t in trainers] + [e.ready.remote() for e in engines]
+    starting = setup_ranks(trainers) + [e.ready.remote() for e in engines]
     # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
     rewards = RewardPool([{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards],

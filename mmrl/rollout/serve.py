@@ -8,6 +8,7 @@ settings; the engines keep the config's model weights (no trainer runs here).
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,10 @@ def serve_rollout(cfg: Config, host: str = "127.0.0.1", port: int = 8000, on_dri
     from mmrl.rollout.types import RequestSampling
     from mmrl.utils.env import apply_env, engine_env, init_local_ray, resolve_device
 
+    # Bound before the engines start: a taken port fails now, not after minutes of start-up, and
+    # port 0 (any free port, printed below) cannot be taken by another process in between.
+    listener = _listen(host, port)
+    port = listener.getsockname()[1]
     run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.cluster.device.value)
@@ -63,8 +68,21 @@ def serve_rollout(cfg: Config, host: str = "127.0.0.1", port: int = 8000, on_dri
     print(f"[mmrl] rollout proxy on http://{host}:{port}/v1 ({len(engines)} engine(s), model {cfg.model.path})",
           flush=True)
     try:
-        uvicorn.run(make_app(proxy), host=host, port=port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(make_app(proxy), log_level="warning")).run(sockets=[listener])
     finally:
         for e in engines:
             ray.kill(e)
         ray.shutdown()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"serve-rollout: cannot listen on {host}:{port} ({e.strerror}); pick another --port, "
+                         f"or --port 0 for any free one (the address is printed when the server is up)") from None
+    return sock

@@ -34,8 +34,7 @@ class TrainerSpec:
     model_path: str
     dtype: str
     world_size: int
-    master_addr: str
-    master_port: int
+    master_addr: str  # where rank 0 listens for the others (its port is picked by rank 0: open_rendezvous)
     device: str  # "cpu" | "cuda"
     lr: float
     betas: tuple[float, float]
@@ -59,8 +58,7 @@ class TrainerWorker:
         self.rank, self.spec = rank, spec
         os.environ.update(spec.env)
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
-                           "LOCAL_WORLD_SIZE": str(spec.world_size), "MASTER_ADDR": spec.master_addr,
-                           "MASTER_PORT": str(spec.master_port)})
+                           "LOCAL_WORLD_SIZE": str(spec.world_size), "MASTER_ADDR": spec.master_addr})
         if spec.device == "cpu":
             # ranks share the machine's cores; one thread each avoids oversubscription
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // spec.world_size))
@@ -73,8 +71,22 @@ class TrainerWorker:
         # for this rank's share of the next update, consumed by train_step
         self._kept: dict[int, dict[str, list[float]]] = {}
 
-    def setup(self) -> dict[str, Any]:
+    def open_rendezvous(self) -> int:
+        """Rank 0: listen for the other ranks on a port the kernel picks in this process, and
+        return it. A port picked elsewhere and bound here later can be taken in between (Ray
+        starts workers and servers meanwhile): the run then died with EADDRINUSE."""
+        from torch.distributed.constants import default_pg_timeout
+
+        assert self.rank == 0, "the rendezvous is rank 0's"
+        self._store = torch.distributed.TCPStore(self.spec.master_addr, 0, self.spec.world_size, is_master=True,
+                                                 wait_for_workers=False, timeout=default_pg_timeout)
+        return self._store.port
+
+    def setup(self, master_port: int) -> dict[str, Any]:
+        """Join the process group at rank 0's rendezvous (`open_rendezvous`), then build the
+        ZeRO-3 engine(s)."""
         import deepspeed
+        from torch.distributed.constants import default_pg_timeout
         from transformers import AutoModelForImageTextToText
         from transformers.integrations import HfDeepSpeedConfig
 
@@ -82,7 +94,13 @@ class TrainerWorker:
 
         t0 = time.time()
         spec = self.spec
-        deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo")
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        os.environ["MASTER_PORT"] = str(master_port)
+        store = self._store if self.rank == 0 else torch.distributed.TCPStore(
+            spec.master_addr, master_port, spec.world_size, is_master=False, timeout=default_pg_timeout)
+        torch.distributed.init_process_group(backend, store=store, rank=self.rank, world_size=spec.world_size,
+                                             timeout=default_pg_timeout)
+        deepspeed.init_distributed(dist_backend=backend)  # adopts the group above
         if spec.device == "cuda":
             torch.cuda.set_device(0)  # each Ray actor sees exactly its own GPU
         ds_config = build_deepspeed_config(grad_clip=spec.grad_clip, bf16=spec.dtype == "bfloat16", user=spec.deepspeed)
@@ -387,3 +405,10 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 def make_trainer_actors(spec: TrainerSpec, options: dict[str, Any]) -> list[Any]:
     actor_cls = ray.remote(TrainerWorker)
     return [actor_cls.options(**options).remote(rank, spec) for rank in range(spec.world_size)]
+
+
+def setup_ranks(ranks: Sequence[Any]) -> list[Any]:
+    """Start every rank's setup without waiting: rank 0 opens the rendezvous and its port
+    reaches the others as an object ref, so the driver goes on while the ranks start."""
+    port = ranks[0].open_rendezvous.remote()
+    return [r.setup.remote(port) for r in ranks]

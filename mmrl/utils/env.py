@@ -26,15 +26,6 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a torch.distributed rendezvous)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for vLLM / DeepSpeed processes. On CPU: offline hub, a small KV cache, and
     caches and RPC sockets inside the run dir instead of ~/.cache and /tmp."""
