@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 # the target within a few hundred steps. The committed results were measured with it.
 BASE_OVERRIDES = ["trainer.lr=1e-3"]
 
-# name -> config overrides (ALGORITHMS.md defaults where the paper has them)
+# name -> config overrides (the paper's defaults where it has them)
 ALGORITHMS: dict[str, list[str]] = {
     "grpo": [],
     # Without the std division the advantages are on the reward's scale (~0.1-0.3 here early on),

@@ -61,6 +61,27 @@ def test_unknown_key_inside_reward_list_has_index(tmp_path: Path) -> None:
         load_config(path, check_files=False)
 
 
+def test_a_reward_listed_twice_needs_the_alias_the_message_suggests(tmp_path: Path) -> None:
+    import dataclasses
+
+    from mmrl.rewards.base import RewardSet
+
+    twice = """
+        rewards:
+          - name: answer_match
+          - name: answer_match
+            weight: 0.5
+            args: {first_word: true}
+    """
+    with pytest.raises(ConfigError, match=r"'rewards\[1\]'.*'answer_match' is listed twice.*alias: answer_match_2"):
+        load_config(_write(tmp_path, twice), check_files=False)
+    cfg = load_config(_write(tmp_path, twice + "        alias: answer_match_2\n"), check_files=False)
+    assert cfg.rewards[1].alias == "answer_match_2"
+    # the entries as the controller hands them to the reward pool
+    rewards = RewardSet([dataclasses.asdict(r) for r in cfg.rewards])
+    assert [e["label"] for e in rewards.entries] == ["answer_match", "answer_match_2"]
+
+
 def test_missing_config_file() -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("no/such/config.yaml")

@@ -4,7 +4,8 @@ Every estimator has the same signature, `fn(rewards_BG, **kwargs) -> advantages_
 the number of prompts and G the number of responses sampled per prompt (the group). Unused
 keyword arguments are ignored so the trainer can pass one config dict to whichever estimator is
 selected. The advantage is broadcast to every response token by the policy loss.
-See ALGORITHMS.md section 1.
+Papers: GRPO (Shao et al., arXiv 2402.03300), Dr. GRPO (Liu et al., arXiv 2503.20783), RLOO
+(Ahmadian et al., arXiv 2402.14740), REINFORCE++ (Hu, arXiv 2501.03262).
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def reinforce_pp(rewards_BG: Tensor, *, eps: float = 1e-6, **_: Any) -> Tensor:
     """REINFORCE++ with outcome rewards: (r - mean_batch) / (std_batch + eps), no group baseline.
 
     With one reward on the last token and γ = 1 the return is r at every token, so this is the
-    global whitening of ALGORITHMS.md per sequence. A constant group is *not* zeroed: the
+    paper's global whitening, per sequence. A constant group is *not* zeroed: the
     baseline is the batch, not the prompt. For token rewards / γ < 1 use `reinforce_pp_token`.
     """
     r = _as_groups(rewards_BG)

@@ -1,4 +1,5 @@
-"""Rollout–training mismatch correction (ALGORITHMS.md section 4).
+"""Rollout–training mismatch correction: TIS (Yao, Liu et al., 2025) and MIS
+(Liu, Li et al., "When speed kills stability", 2025).
 
 The sampler μ (vLLM) and the trainer's recompute π_old use the same weights but different kernels,
 so "on-policy" data is slightly off-policy. With the ratio w = π_old/μ (from old_logprobs_BT and

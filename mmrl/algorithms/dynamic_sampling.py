@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling (arXiv 2503.14476; ALGORITHMS.md section 1).
+"""DAPO dynamic sampling (Yu et al., arXiv 2503.14476).
 
 A group whose metric is the same for every response (all correct, all wrong) has zero advantage
 under any group baseline, so it only dilutes the batch. DAPO drops such groups and keeps

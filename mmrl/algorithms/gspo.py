@@ -1,4 +1,4 @@
-"""GSPO policy losses (Qwen, arXiv 2507.18071; ALGORITHMS.md section 3).
+"""GSPO policy losses (Zheng et al., Qwen, arXiv 2507.18071).
 
 GSPO replaces PPO's token ratio with a length-normalised *sequence* ratio
     s_i = (π_θ(y_i|x) / π_old(y_i|x))^{1/|y_i|} = exp(mean_t log ρ_{i,t})

@@ -1,4 +1,4 @@
-"""KL(π_θ‖π_ref) estimators per token and the two places a KL penalty can go (ALGORITHMS.md §1).
+"""KL(π_θ‖π_ref) estimators per token and the two places a KL penalty can go.
 
 With δ = log π_θ − log π_ref on tokens sampled from π_θ (Schulman's estimators):
     k1 = δ                 unbiased, can be negative                (verl "kl")

@@ -2,7 +2,7 @@
 
 A policy loss returns the per-token loss `loss_BT` *before* aggregation plus per-token stats, so
 that rollout-correction weights can multiply it elementwise and the trainer chooses how to reduce
-it (ALGORITHMS.md section 2). Aggregation is split into a numerator (`aggregate_sum`) and a
+it (the modes follow verl's `agg_loss`). Aggregation is split into a numerator (`aggregate_sum`) and a
 denominator (`aggregate_denominator`) because the trainer reduces over micro-batches and
 data-parallel ranks that must all share one global denominator.
 
@@ -179,7 +179,7 @@ def aggregate_denominator(mask_BT: Tensor | Sequence[Tensor], mode: str = "token
 
 def aggregate(loss_BT: Tensor, mask_BT: Tensor, mode: str = "token_mean", *,
               scale: float | None = None) -> Tensor:
-    """Reduce a per-token loss to a scalar (ALGORITHMS.md section 2 table).
+    """Reduce a per-token loss to a scalar.
 
     token_mean               Σ mℓ / Σ m                       (DAPO, verl default)
     seq_mean_token_sum       Σ_i Σ_t mℓ / B

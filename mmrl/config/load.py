@@ -248,11 +248,24 @@ def _check_plugins(cfg: Config) -> None:
             raise ConfigError(f"Config key '{key}': {e}") from None
 
 
+def _check_reward_labels(cfg: Config) -> None:
+    from mmrl.rewards.base import reward_label
+
+    seen: dict[str, int] = {}
+    for i, r in enumerate(cfg.rewards):
+        label = r.alias or reward_label(r.name)
+        if label in seen:
+            raise ConfigError(f"Config key 'rewards[{i}]': reward '{label}' is listed twice (also rewards[{seen[label]}]); "
+                              f"give one an alias so their metrics stay apart, e.g. {{name: {r.name}, alias: {label}_2}}.")
+        seen[label] = i
+
+
 def validate(cfg: Config, *, check_files: bool = True, check_plugins: bool = True) -> None:
     _check_positive(cfg)
     if not cfg.rewards:
         raise ConfigError("Config key 'rewards' is empty: give at least one reward, e.g. "
                           "rewards: [{name: answer_match}].")
+    _check_reward_labels(cfg)
     if check_files:
         _check_files(cfg)
     if check_plugins:

@@ -174,6 +174,9 @@ class RewardEntry:
     name: str = "answer_match"
     weight: float = 1.0
     args: dict[str, Any] = field(default_factory=dict)
+    # The metric prefix (reward/<alias>/...); needed when one reward is listed twice, e.g. with
+    # different args. None = the reward's own name.
+    alias: Optional[str] = None
 
 
 class OnRewardError(str, Enum):
@@ -226,7 +229,9 @@ class CorrectionLevel(str, Enum):
 @dataclass
 class RolloutCorrectionConfig:
     """Rollout-training mismatch correction between the sampler (vLLM, mu) and the trainer's
-    recompute with the same weights (pi_old). ALGORITHMS.md section 4."""
+    recompute with the same weights (pi_old): TIS (Yao, Liu et al., "Your efficient RL framework
+    secretly brings you off-policy RL training", 2025), MIS (Liu, Li et al., "When speed kills
+    stability", 2025). Modes and metrics: docs/training.md, Algorithms."""
 
     mode: CorrectionMode = CorrectionMode.none
     level: CorrectionLevel = CorrectionLevel.token
@@ -281,7 +286,7 @@ class AlgorithmConfig:
     # Extra keyword arguments for the policy loss (e.g. dual_clip_c: 3.0).
     policy_loss_args: dict[str, Any] = field(default_factory=dict)
     loss_agg: LossAgg = LossAgg.token_mean
-    # Entropy bonus: a tiny random policy stalls without it (see ALGORITHMS/STACK notes).
+    # Entropy bonus: a tiny random policy collapses onto one answer without it (docs/training.md).
     entropy_coef: float = 0.0
     entropy_schedule: EntropyScheduleConfig = field(default_factory=EntropyScheduleConfig)
     # Optimizer updates per rollout batch = ppo_epochs x mini_batches. Above 1, pi_old is

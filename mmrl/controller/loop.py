@@ -4,6 +4,7 @@ update (controller/learn.py) -> weight sync. The run itself (resume, checkpoints
 metrics) is controller/train.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -155,7 +156,7 @@ def start_runtime(cfg: Config) -> Runtime:
     starting = setup_ranks(trainers) + [e.ready.remote() for e in engines]
     # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
-    rewards = RewardPool([{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards],
+    rewards = RewardPool([dataclasses.asdict(r) for r in cfg.rewards],
                          num_workers=cfg.reward_execution.num_workers, timeout_s=cfg.reward_execution.timeout_s,
                          on_error=cfg.reward_execution.on_error.value, start_timeout_s=300.0,
                          actor_options=next(p for p in plan if p.role == "reward").ray_options())

@@ -62,7 +62,8 @@ def _portable_spec(spec: Any) -> Any:
     return spec
 
 
-def _label(spec: Any) -> str:
+def reward_label(spec: Any) -> str:
+    """The metric prefix of a reward spec: its name, or the attribute of 'module:attr'."""
     if isinstance(spec, str):
         return spec.rpartition(":")[2] if ":" in spec else spec
     return getattr(spec, "__name__", type(spec).__name__)
@@ -103,10 +104,10 @@ class RewardSet:
             if clash:
                 raise ValueError(f"rewards[{i}] ({entry['name']!r}): args {clash} clash with the "
                                  f"keywords every reward receives ({', '.join(AVAILABLE_KEYS)})")
-            label = str(entry.get("alias") or _label(entry["name"]))
+            label = str(entry.get("alias") or reward_label(entry["name"]))
             if label in seen:
                 raise ValueError(f"rewards[{i}]: reward {label!r} appears twice; give one of them "
-                                 f"an 'alias' so their metrics stay apart")
+                                 f"an alias (alias: {label}_2) so their metrics stay apart")
             seen.add(label)
             self.entries.append({"spec": spec, "weight": weight, "args": args, "label": label})
         if not self.entries:

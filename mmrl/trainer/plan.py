@@ -6,7 +6,7 @@ Two rules shape everything here:
     all-gathers parameters collectively), so a rank short of sequences runs *fillers*: a copy of
     one of its sequences with an all-zero loss mask;
   * the loss of a mini-batch is Σ over its tokens / one global denominator, so micro-batch and
-    rank boundaries do not change the gradient (ALGORITHMS.md section 2).
+    rank boundaries do not change the gradient (the aggregation modes: algorithms/losses.py).
 """
 from __future__ import annotations
 

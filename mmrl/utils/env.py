@@ -27,16 +27,17 @@ def resolve_device(device: str) -> str:
 
 
 def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for vLLM / DeepSpeed processes. On CPU: offline hub, a small KV cache, and
+    """Environment for vLLM / DeepSpeed processes. On CPU: a small KV cache, and
     caches and RPC sockets inside the run dir instead of ~/.cache and /tmp."""
     run = Path(run_dir).resolve()
     env = {
-        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_CACHE_ROOT": str(run / ".cache" / "vllm"),
         "VLLM_RPC_BASE_PATH": rpc_dir(run),
         "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
     }
+    if "HF_HUB_OFFLINE" in os.environ:  # the driver's choice reaches every process
+        env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
     if device == "cpu":
         env.update({"DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
     env.update(extra or {})
