@@ -1,4 +1,4 @@
-"""The `mmrl` command line: train, report, profile-data, tiny-model, data build/convert/inspect, plugins list, rewards check."""
+"""The `mmrl` command line: train, report, profile-data, tiny-model, data build/convert/inspect, plugins list, rewards check, new."""
 from __future__ import annotations
 
 import argparse
@@ -68,6 +68,19 @@ def cmd_report(args: argparse.Namespace) -> int:
         print("mmrl: error: " + textwrap.fill(str(e), width=100, subsequent_indent="  ", break_on_hyphens=False,
                                               break_long_words=False), file=sys.stderr)
         return 2
+    return 0
+
+
+def cmd_new(args: argparse.Namespace) -> int:
+    from mmrl.scaffold import new_plugin
+
+    try:
+        made = new_plugin(args.kind, args.name, args.dir, force=args.force)
+    except (ValueError, FileExistsError) as e:
+        print(f"mmrl new: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {made.plugin}\n      {made.test}\n\ntest it:  python -m pytest {made.test}\n\nuse it in a config:\n"
+          f"{textwrap.indent(made.usage, '  ')}")
     return 0
 
 
@@ -325,6 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-drift", choices=["splice", "flag"], default="splice")
     p.add_argument("--parser", default="hermes", help="tool-call parser for replies' tool_calls ('' = none)")
     p.set_defaults(func=cmd_serve_rollout)
+
+    p = sub.add_parser("new", help="write a plugin from a commented template, with a test against its kind's contract")
+    p.add_argument("kind", choices=["reward", "agent_loop", "tool", "processor"])
+    p.add_argument("name", help="a lower-case Python identifier: the file, function/class and registered name")
+    p.add_argument("--dir", default=".", help="where to write NAME.py and test_NAME.py (default: here)")
+    p.add_argument("--force", action="store_true", help="overwrite existing files")
+    p.set_defaults(func=cmd_new)
 
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (LoRA merged)")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N, or a run folder (its newest checkpoint)")

@@ -1,4 +1,5 @@
 """A contract test per plugin kind: every registered plugin of the kind (built-in or not) passes it.
+The checks themselves live in `mmrl.testing`, which the tests `mmrl new` writes run too.
 
 A new plugin needs nothing here unless it takes required keyword arguments; then add example
 arguments to CONTRACT_ARGS (MODEL_ARGS for a reward that needs a locally built model).
@@ -6,7 +7,6 @@ arguments to CONTRACT_ARGS (MODEL_ARGS for a reward that needs a locally built m
 from __future__ import annotations
 
 import inspect
-import math
 from pathlib import Path
 from typing import Callable
 
@@ -15,11 +15,9 @@ import torch
 from PIL import Image
 
 from mmrl import registry
-from mmrl.data.media_limits import MediaLimits
 from mmrl.data.sample import Sample
-from mmrl.processors.base import ProcessedPrompt
-from mmrl.rewards.base import RewardSet, call_reward, reward_kwargs
-from mmrl.rewards.scorer import GroupScorer
+from mmrl.testing import (check_agent_loop, check_processor, check_reward, check_tool, check_trajectories,
+                          local_engine, run_agent_loop)
 
 CONTRACT_ARGS: dict[tuple[str, str], dict] = {
     ("reward", "first_word_in"): {"words": ["red", "green"]},
@@ -51,21 +49,11 @@ def tiny_clip_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_REWARDS else n
                                   for n in _names("reward")])
 def test_reward_contract(name: str, colors_samples: list, request: pytest.FixtureRequest) -> None:
-    fn = registry.resolve("reward", name)
     args = CONTRACT_ARGS.get(("reward", name), {})
     if name in MODEL_ARGS:
         fixture, make_args = MODEL_ARGS[name]
         args = {**args, **make_args(request.getfixturevalue(fixture))}
-    sample = colors_samples[0]
-    responses = ["", "red", sample.answer, "@@##!!", "blue " * 20000]
-    for response in responses:
-        scores = call_reward(fn, **reward_kwargs(sample, response, [1, 2, 3]), **args)
-        assert "score" in scores and all(math.isfinite(v) for v in scores.values()), (name, response, scores)
-    # the same responses as one group, the way the reward workers call it (batched: one call)
-    group = GroupScorer(RewardSet([{"name": name, "args": args}]), timeout_s=None).score_group(
-        sample, responses, [[1, 2, 3]] * len(responses))
-    assert not group["failures"], (name, group["failures"])
-    assert all(math.isfinite(v) for s in group["scores"] for v in s.values())
+    check_reward(name, args, colors_samples)
 
 
 # Estimators whose baseline is the batch, not the prompt's group (REINFORCE++): a constant group
@@ -137,41 +125,8 @@ async def two_turn(ctx, sample, prompt):
 
 @pytest.fixture(scope="module")
 def engine_for_loops(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    from _engine import tiny_engine
-
-    with tiny_engine(tiny_model_dir, tmp_path_factory.mktemp("agent_loop_run")) as eng:
+    with local_engine(tiny_model_dir, tmp_path_factory.mktemp("agent_loop_run")) as eng:
         yield eng
-
-
-def _run_loop(eng: dict, spec: str, samples: list, n: int, args: dict | None = None):
-    from mmrl.controller.rollout import run_rollout
-    from mmrl.rollout.types import SamplingConfig
-    from mmrl.rollout.workers import RolloutWorkers
-
-    workers = RolloutWorkers(1, [eng["engine"]], {"name": "auto", "model_path": eng["processor"].model_path},
-                             spec, args)
-    try:
-        workers.ready()
-        sampling = SamplingConfig(n=n, max_new_tokens=4, forbidden_token_ids=eng["forbidden"], seed=5)
-        arrived: list[int] = []
-        rollout = run_rollout(workers, samples, sampling, on_group=lambda slot, s, g: arrived.append(slot))
-        return rollout, arrived
-    finally:
-        workers.close()
-
-
-def _check_trajectories(rollout, samples: list, n: int) -> None:
-    assert [s.key for s in rollout.samples] == [s.key for s in samples]
-    for slot, group in enumerate(rollout.groups):
-        assert len(group) == n
-        for t in group:
-            assert t.prompt_index == slot
-            assert len(t.behaviour_logprobs) == len(t.response_ids) == len(t.loss_mask) == len(t.token_versions)
-            assert set(t.loss_mask) <= {0, 1} and sum(t.loss_mask) > 0
-            sampled = [v for v, m in zip(t.token_versions, t.loss_mask) if m]
-            assert sampled and set(sampled) == {0} and t.weight_version == 0  # nothing was synced
-            assert all(lp <= 0 for lp, m in zip(t.behaviour_logprobs, t.loss_mask) if m)
-            assert t.timings["engine"] == 0 and t.timings["requests"] >= 1
 
 
 @pytest.mark.slow
@@ -180,13 +135,7 @@ def test_agent_loop_contract(name: str, engine_for_loops: dict, colors_samples: 
     """One trajectory per call, `n` calls per sample; every group comes back once, with the
     prompt's slot, aligned per-token fields, versions and the engine it ran on; seeded
     trajectories are reproducible."""
-    samples = colors_samples[:5]
-    args = LOOP_ARGS.get(name)
-    rollout, arrived = _run_loop(engine_for_loops, name, samples, n=3, args=args)
-    assert sorted(arrived) == list(range(5))
-    _check_trajectories(rollout, samples, n=3)
-    again, _ = _run_loop(engine_for_loops, name, samples, n=3, args=args)
-    assert [[t.response_ids for t in g] for g in again.groups] == [[t.response_ids for t in g] for g in rollout.groups]
+    check_agent_loop(name, engine_for_loops, colors_samples[:5], LOOP_ARGS.get(name), n=3)
 
 
 @pytest.mark.slow
@@ -194,8 +143,8 @@ def test_a_multi_turn_loop_from_a_file(engine_for_loops: dict, colors_samples: l
     plugin = tmp_path / "my_loops.py"
     plugin.write_text(TWO_TURN_LOOP)
     samples = colors_samples[:3]
-    rollout, _ = _run_loop(engine_for_loops, f"{plugin}:two_turn", samples, n=2, args={"tool_text": " tool says: red"})
-    _check_trajectories(rollout, samples, n=2)
+    rollout, _ = run_agent_loop(engine_for_loops, f"{plugin}:two_turn", samples, n=2, args={"tool_text": " tool says: red"})
+    check_trajectories(rollout, samples, n=2)
     tool_ids = engine_for_loops["processor"].tokenizer.encode(" tool says: red", add_special_tokens=False)
     for group in rollout.groups:
         for t in group:
@@ -207,26 +156,12 @@ def test_a_multi_turn_loop_from_a_file(engine_for_loops: dict, colors_samples: l
 
 @pytest.mark.parametrize("name", _names("processor"))
 def test_processor_contract(name: str, tiny_model_dir: Path, colors_samples: list) -> None:
-    proc = registry.resolve("processor", name)(str(tiny_model_dir))
-    out = proc(colors_samples[0])
-    assert isinstance(out, ProcessedPrompt)
-    assert out.position_ids_3P.shape == (3, len(out.prompt_ids))
-    assert out.next_position == int(out.position_ids_3P.max()) + 1
-    vllm_ids = out.vllm_input["prompt_token_ids"]
-    image_pad = proc.image_token_id
-    assert vllm_ids.count(image_pad) == len(colors_samples[0].images), "one pad per image for vLLM"
-    n_image_tokens = out.prompt_ids.count(image_pad)
-    grid = out.mm_inputs["image_grid_thw"]
-    assert n_image_tokens == int(grid.prod(-1).sum()) // 4, "expanded pads match the merged patches"
-    assert [t for t in out.prompt_ids if t != image_pad] == [t for t in vllm_ids if t != image_pad]
-    assert all(t in proc.forbidden_token_ids for t in (proc.image_token_id, proc.video_token_id))
-    # media_limits: declared, and an image right at the declared limit is still processed
-    limits = proc.media_limits
-    assert isinstance(limits, MediaLimits)
-    ratio = int(limits.max_aspect_ratio or 4)
-    edge = Image.new("RGB", (max(limits.min_side, 1) * ratio, max(limits.min_side, 1)), (90, 30, 200))
-    assert limits.image_problem(*edge.size) is None
-    assert proc(Sample(key="edge", messages=colors_samples[0].messages, images=[edge])).mm_inputs
+    proc = check_processor(name, tiny_model_dir, colors_samples)
+    if name == "qwen_vl":  # Qwen-VL: three M-RoPE axes, 2x2 patches merged into one token
+        out = proc(colors_samples[0])
+        assert out.position_ids_3P.shape == (3, len(out.prompt_ids))
+        grid = out.mm_inputs["image_grid_thw"]
+        assert out.prompt_ids.count(proc.image_token_id) == int(grid.prod(-1).sum()) // 4
 
 
 @pytest.mark.parametrize("name", _names("dataset"))
@@ -255,26 +190,7 @@ def _tool_sample(tmp_path: Path) -> Sample:
 
 @pytest.mark.parametrize("name", _names("tool"))
 def test_tool_contract(name: str, tmp_path: Path) -> None:
-    """Built per trajectory from a sample; OpenAI-style function schemas; a call of an unknown
-    function comes back as a tool error (never an exception); state() is plain data; close() twice is fine."""
-    import asyncio
-    import json
-
-    from mmrl.tools.base import ToolResult, run_tool
-
-    tool = registry.resolve("tool", name)(_tool_sample(tmp_path))
-    try:
-        functions = tool.functions()
-        assert functions
-        for f in functions:
-            assert f["type"] == "function" and f["function"]["name"] and f["function"]["description"]
-            assert f["function"]["parameters"]["type"] == "object"
-        result, seconds = asyncio.run(run_tool(tool, "no_such_function", {}, timeout_s=30))
-        assert isinstance(result, ToolResult) and result.error and result.text.startswith("error"), result
-        json.dumps(tool.state())
-    finally:
-        tool.close()
-        tool.close()
+    check_tool(name, _tool_sample(tmp_path))
 
 
 @pytest.mark.parametrize("name", _names("tool_parser"))
@@ -298,8 +214,8 @@ def test_multi_turn_tokens_are_the_engines_tokens(engine_for_loops: dict, colors
     processor = engine_for_loops["processor"]
     tok = processor.tokenizer
     args = {"parser": f"{PLUGINS}:every_function", "max_turns": 3, "tools": [{"name": f"{PLUGINS}:Echo"}]}
-    rollout, _ = _run_loop(engine_for_loops, f"{PLUGINS}:recording_multi_turn", colors_samples[:4], n=2, args=args)
-    _check_trajectories(rollout, colors_samples[:4], n=2)
+    rollout, _ = run_agent_loop(engine_for_loops, f"{PLUGINS}:recording_multi_turn", colors_samples[:4], n=2, args=args)
+    check_trajectories(rollout, colors_samples[:4], n=2)
     drifted = 0
     for group in rollout.groups:
         for t in group:
@@ -326,8 +242,8 @@ def test_multi_turn_tokens_are_the_engines_tokens(engine_for_loops: dict, colors
 def test_a_tool_that_raises_refuses_or_hangs_is_a_tool_error(engine_for_loops: dict, colors_samples: list) -> None:
     args = {"parser": f"{PLUGINS}:every_function", "max_turns": 2, "tool_timeout_s": 3.0,
             "tools": [{"name": f"{PLUGINS}:Raises"}, {"name": f"{PLUGINS}:Refuses"}, {"name": f"{PLUGINS}:Hangs"}]}
-    rollout, _ = _run_loop(engine_for_loops, "multi_turn", colors_samples[:2], n=2, args=args)
-    _check_trajectories(rollout, colors_samples[:2], n=2)
+    rollout, _ = run_agent_loop(engine_for_loops, "multi_turn", colors_samples[:2], n=2, args=args)
+    check_trajectories(rollout, colors_samples[:2], n=2)
     for t in (t for g in rollout.groups for t in g):
         assert t.stats["tool_calls"] == 3 and t.stats["tool_errors"] == 3 and t.stats["turns"] == 2
         answers = {turn["name"]: turn["content"] for turn in t.transcript if turn["role"] == "tool"}
