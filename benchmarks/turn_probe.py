@@ -93,7 +93,7 @@ class Episodes:
         target = self.processor.tokenizer.convert_tokens_to_ids(texts[-1])
         at = max(i for i, x in enumerate(full.prompt_ids) if x == target)  # the last turn's token
         return {"index": index, "sample": sample, "prompt": prompt, "first_turns": texts[:-1], "target": target,
-                "input_ids": torch.tensor(full.prompt_ids[:at])[None], "position_ids": full.position_ids_3P[:, None, :at],
+                "input_ids": torch.tensor(full.prompt_ids[:at])[None], "position_ids": full.positions_AP[:, None, :at],
                 "mm": full.mm_inputs, "key": sample.prompt_text}
 
     def score(self, e: dict, token: int) -> tuple[float, bool]:

@@ -201,7 +201,7 @@ def temporal_positions(processor: Any, sample: Any) -> list[int]:
     """The distinct M-RoPE temporal positions of the prompt's video tokens (relative to the first)."""
     prompt = processor(sample)
     ids = torch.tensor(prompt.prompt_ids)
-    t = prompt.position_ids_3P[0][ids == processor.video_token_id]
+    t = prompt.positions_AP[0][ids == processor.video_token_id]
     return sorted({int(x - t.min()) for x in t})
 
 

@@ -103,8 +103,8 @@ def check_processor(spec: Any, model_dir: str | Path, samples: Sequence[Sample] 
     sample = (samples or contract_samples(1))[0]
     out = proc(sample)
     assert isinstance(out, ProcessedPrompt), f"processor {spec!r} returned {type(out).__name__}, not ProcessedPrompt"
-    assert out.position_ids_3P.shape[-1] == len(out.prompt_ids), "one position per prompt token"
-    assert out.next_position == int(out.position_ids_3P.max()) + 1, "responses continue after the prompt's positions"
+    assert out.positions_AP.shape[-1] == len(out.prompt_ids), "one position per prompt token"
+    assert out.next_position == int(out.positions_AP.max()) + 1, "responses continue after the prompt's positions"
     engine_ids = out.vllm_input["prompt_token_ids"]
     pad = proc.image_token_id
     assert engine_ids.count(pad) == len(sample.images), "the engine gets one placeholder per image"

@@ -155,7 +155,7 @@ def test_trainer_inputs_travel_by_reference(rollout_workers, colors_samples: lis
         resolve_prompts(seqs)
         for s in seqs:
             assert s.prompt_ids == local.prompt_ids and s.next_position == local.next_position
-            assert torch.equal(s.position_ids_3P, local.position_ids_3P)
+            assert torch.equal(s.positions_AP, local.positions_AP)
             assert all(torch.equal(s.mm_inputs[k], v) for k, v in local.mm_inputs.items())
         assert ray.get(ref.ref).vllm_input == {}  # the raw media stay with the sample, not in the store
     assert run_rollout(rollout_workers, samples, SamplingConfig(n=1), evaluation=True).prompts == [None] * 3

@@ -27,13 +27,13 @@ def _sequences(proc, samples) -> list[TrainSequence]:
     response = [30, 31, *tool.prompt_ids, 32, 33]
     n_tool = len(tool.prompt_ids)
     text_before = first.next_position + torch.arange(2).expand(3, 2)
-    image_part = tool.position_ids_3P + first.next_position + 2
+    image_part = tool.positions_AP + first.next_position + 2
     after = int(image_part.max()) + 1 + torch.arange(2).expand(3, 2)
     seqs.append(TrainSequence(
-        prompt_ids=first.prompt_ids, position_ids_3P=first.position_ids_3P, next_position=first.next_position,
+        prompt_ids=first.prompt_ids, positions_AP=first.positions_AP, next_position=first.next_position,
         mm_inputs=first.mm_inputs, response_ids=response, behaviour_logprobs=[-1.0] * len(response),
         loss_mask=[1, 1] + [0] * n_tool + [1, 1], advantage=-1.0,
-        response_position_ids_3T=torch.cat([text_before, image_part, after], dim=1),
+        response_positions_AT=torch.cat([text_before, image_part, after], dim=1),
         response_mm_inputs=tool.mm_inputs))
     return seqs
 
@@ -48,7 +48,7 @@ def test_packed_row_equals_padded_rows(arch: str, tmp_path: Path, colors_samples
     packed = collate(seqs, proc.pad_token_id, padding_free=True)
     n_tokens = sum(s.num_tokens for s in seqs)
     assert packed.input_ids_BL.shape == (1, n_tokens) and proc.pad_token_id not in packed.input_ids_BL.tolist()[0]
-    assert packed.position_ids_3BL.shape == (4, 1, n_tokens)
+    assert packed.position_ids_ABL.shape == (4, 1, n_tokens)
     assert padded.input_ids_BL.numel() > n_tokens  # the padded layout does pay for padding here
     for name in ("response_ids_BT", "mask_BT", "behaviour_logprobs_BT", "advantages_B"):
         assert torch.equal(getattr(packed, name), getattr(padded, name)), name
@@ -108,3 +108,35 @@ def test_the_update_reports_its_padding(tiny_model_dir: Path, colors_samples: li
         assert m["actor/forward_tokens"] == expected
         assert m["actor/padding_fraction"] == pytest.approx(1 - real / expected)
         assert (m["actor/padding_fraction"] == 0) == padding_free
+
+
+def test_plain_positions_need_no_family_knowledge() -> None:
+    """A family with one position axis (A = 1): the batcher hands the model (B, L) positions, and
+    packed sequences restart their positions, which is all transformers needs to keep attention
+    inside each one. Shown on a tiny random text-only decoder, padded vs packed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mmrl.trainer.batch import model_positions
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         attn_implementation="sdpa")).eval()
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    responses = [[20, 21, 22], [23], [24, 25, 26, 27]]
+    seqs = [TrainSequence(prompt_ids=p, positions_AP=torch.arange(len(p)).unsqueeze(0), next_position=len(p),
+                          mm_inputs={}, response_ids=r, behaviour_logprobs=[-1.0] * len(r), loss_mask=[1] * len(r))
+            for p, r in zip(prompts, responses)]
+    padded, packed = collate(seqs, 0), collate(seqs, 0, padding_free=True)
+    assert padded.model_inputs()["position_ids"].shape == padded.input_ids_BL.shape
+    assert packed.model_inputs()["position_ids"].tolist() == [[*range(8), *range(3), *range(7)]]
+    with torch.no_grad():
+        lp_pad, _ = padded.response_logprobs(model(**padded.model_inputs()).logits, 1.0, [])
+        lp_pack, _ = packed.response_logprobs(model(**packed.model_inputs()).logits, 1.0, [])
+    valid = padded.mask_BT > 0
+    assert torch.allclose(lp_pack[valid], lp_pad[valid], atol=1e-5), (lp_pack - lp_pad)[valid].abs().max()
+    with pytest.raises(ValueError, match="different numbers of position axes"):
+        collate([seqs[0], TrainSequence(prompt_ids=[1], positions_AP=torch.zeros((3, 1), dtype=torch.long),
+                                        next_position=1, mm_inputs={}, response_ids=[2], behaviour_logprobs=[-1.0],
+                                        loss_mask=[1])], 0)
+    assert model_positions(torch.zeros((3, 2, 5))).shape == (3, 2, 5)

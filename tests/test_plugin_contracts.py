@@ -159,7 +159,7 @@ def test_processor_contract(name: str, tiny_model_dir: Path, colors_samples: lis
     proc = check_processor(name, tiny_model_dir, colors_samples)
     if name == "qwen_vl":  # Qwen-VL: three M-RoPE axes, 2x2 patches merged into one token
         out = proc(colors_samples[0])
-        assert out.position_ids_3P.shape == (3, len(out.prompt_ids))
+        assert out.positions_AP.shape == (3, len(out.prompt_ids))
         grid = out.mm_inputs["image_grid_thw"]
         assert out.prompt_ids.count(proc.image_token_id) == int(grid.prod(-1).sum()) // 4
 

@@ -79,7 +79,7 @@ def test_text_after_video_continues_after_the_whole_block(arch: str, tmp_path: P
     proc = build_processor("auto", str(build_tiny_vlm(arch, tmp_path / arch, seed=1)))
     sample = video_and_multi_image_samples(colors_samples)[0]
     p = proc(sample)
-    pos = p.position_ids_3P
+    pos = p.positions_AP
     video = [i for i, t in enumerate(p.prompt_ids) if t == proc.video_token_id]
     after = video[-1] + 1  # <|vision_end|>
     assert (pos[:, after] == pos[:, video[0]:after].max() + 1).all()
@@ -140,13 +140,13 @@ def test_expanding_the_engine_prompt_gives_the_trainer_prompt(arch: str, tmp_pat
         p = proc(sample)
         e = proc.expand(p.vllm_input)
         assert e.prompt_ids == p.prompt_ids, (arch, sample.key)
-        assert torch.equal(e.position_ids_3P, p.position_ids_3P) and e.next_position == p.next_position
+        assert torch.equal(e.positions_AP, p.positions_AP) and e.next_position == p.next_position
         assert sorted(e.mm_inputs) == sorted(p.mm_inputs)
         for k, v in p.mm_inputs.items():
             assert torch.equal(e.mm_inputs[k], v), (arch, sample.key, k)
         turn = proc.expand({**p.vllm_input, "prompt_token_ids": p.vllm_input["prompt_token_ids"] + [11, 12]})
         assert turn.prompt_ids == p.prompt_ids + [11, 12]
-        assert turn.position_ids_3P[:, -2:].tolist() == [[p.next_position, p.next_position + 1]] * 3
+        assert turn.positions_AP[:, -2:].tolist() == [[p.next_position, p.next_position + 1]] * 3
     lone = proc(colors_samples[0]).vllm_input
     with pytest.raises(PromptRejected, match="more vision pads"):
         proc.expand({"prompt_token_ids": lone["prompt_token_ids"]})

@@ -14,7 +14,7 @@ from mmrl.trainer.update import LossSettings, micro_batch_loss
 
 
 def _seq(prompt_len: int, response_len: int, advantage: float = 0.0) -> TrainSequence:
-    return TrainSequence(prompt_ids=[1] * prompt_len, position_ids_3P=torch.zeros(3, prompt_len, dtype=torch.long),
+    return TrainSequence(prompt_ids=[1] * prompt_len, positions_AP=torch.zeros(3, prompt_len, dtype=torch.long),
                          next_position=prompt_len, mm_inputs={}, response_ids=[5] * response_len,
                          behaviour_logprobs=[-1.0] * response_len, loss_mask=[1] * response_len, advantage=advantage)
 

@@ -68,7 +68,7 @@ def test_frame_order_survives_decode_and_processor(tiny_model_dir: Path, motion_
         assert float(off.min()) > 4 * float(mad.diagonal().max())
         # the temporal patches enter the LLM in order: M-RoPE time grows patch by patch
         ids = torch.tensor(prompt.prompt_ids)
-        t = prompt.position_ids_3P[0][ids == proc.video_token_id].view(n // tp, -1)
+        t = prompt.positions_AP[0][ids == proc.video_token_id].view(n // tp, -1)
         assert (t == t[:, :1]).all() and (t[1:, 0] > t[:-1, 0]).all(), t
 
 

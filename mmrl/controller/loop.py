@@ -144,7 +144,7 @@ def start_runtime(cfg: Config) -> Runtime:
         grad_clip=cfg.trainer.grad_clip, deepspeed=dict(cfg.trainer.deepspeed),
         temperature=cfg.rollout.temperature, forbidden_token_ids=forbidden, pad_token_id=processor.pad_token_id,
         loss=loss, seed=cfg.run.seed, env=env, trust_remote_code=cfg.model.trust_remote_code,
-        reference_model=needs_reference(cfg), padding_free=cfg.trainer.padding_free,
+        reference_model=needs_reference(cfg), padding_free=cfg.trainer.padding_free, processor=cfg.processor.name,
         lora={"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
               "target_modules": list(lora.target_modules)} if lora.enabled else None)
     trainers = make_trainer_actors(spec, trainer_opts)

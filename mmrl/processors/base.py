@@ -6,6 +6,13 @@ calling it on a `Sample` returns a `ProcessedPrompt` or raises `PromptRejected`.
 the loader workers so such media are quarantined there (an adapter without it gets no check);
 `decode(ids)`, and the token ids `image_token_id`, `video_token_id`, `eos_token_id`,
 `pad_token_id`, `forbidden_token_ids`.
+
+Everything family-specific the trainer needs comes from the adapter, so the trainer, the
+batcher and the weight sync name no family: the prompt's positions (any number of axes), its
+vision tensors (passed to the model's forward as they are), and two class-level hooks the
+trainer ranks call without building the adapter (`ProcessorAdapter`): whether a forward's
+inputs run the vision tower, and a dummy vision output for a forward without media (ZeRO-3
+ranks must all run the tower).
 """
 from __future__ import annotations
 
@@ -28,14 +35,16 @@ class ProcessedPrompt:
 
     vLLM gets `vllm_input` (prompt ids with one pad token per image/video, which vLLM expands
     itself, plus the raw media). The trainer gets `prompt_ids` (already expanded), the vision
-    tensors in `mm_inputs`, and the M-RoPE positions `position_ids_3P` of the prompt; response
-    token t sits at position `next_position + t` on all three axes.
+    tensors in `mm_inputs` (keyword arguments of the model's forward, concatenated over a
+    micro-batch along dim 0), and the positions `positions_AP` of the prompt: A axes (3 for
+    M-RoPE, 1 for plain positions) by P tokens. Response token t sits at position
+    `next_position + t` on every axis.
     """
 
     key: str
     vllm_input: dict[str, Any]
     prompt_ids: list[int]
-    position_ids_3P: torch.Tensor
+    positions_AP: torch.Tensor
     next_position: int
     mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -56,6 +65,34 @@ class PromptRef:
     ref: Any  # ray.ObjectRef of a ProcessedPrompt without its engine input
 
 
+class ProcessorAdapter:
+    """Base class of adapters: the class-level hooks the trainer ranks use. Override both for a
+    family whose vision tower is not called as below."""
+
+    @staticmethod
+    def runs_vision(mm_inputs: dict[str, torch.Tensor]) -> bool:
+        """Whether a forward with these inputs runs the vision tower (HF's pixel_values* names)."""
+        return any(k.startswith("pixel_values") for k in mm_inputs)
+
+    @staticmethod
+    def dummy_vision_output(model: Any) -> torch.Tensor:
+        """The vision tower's output on the smallest valid input, as a scalar: a forward without
+        media adds 0 x this, so every ZeRO-3 rank gathers the tower's parameters in the same order."""
+        raise NotImplementedError("this adapter cannot run its model's vision tower on a dummy input; "
+                                  "implement ProcessorAdapter.dummy_vision_output")
+
+
+def float_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every floating tensor in a (nested) model output: vision outputs differ by family."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in float_tensors(item)]
+    return []
+
+
 # model_type (from the model's config.json) -> registered processor name
 FAMILIES: dict[str, str] = {
     "qwen2_vl": "qwen_vl",
@@ -66,17 +103,21 @@ FAMILIES: dict[str, str] = {
 
 def build_processor(name: str, model_path: str, **kwargs: Any) -> Any:
     """Instantiate the processor adapter `name` ("auto" = by the model's model_type)."""
+    return processor_class(name, model_path, bool(kwargs.get("trust_remote_code")))(model_path, **kwargs)
+
+
+def processor_class(name: str, model_path: str, trust_remote_code: bool = False) -> Any:
+    """The adapter class `name` ("auto" = by the model's model_type), not built."""
     if name == "auto":
         from transformers import AutoConfig
 
-        model_type = AutoConfig.from_pretrained(model_path).model_type
+        model_type = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).model_type
         if model_type not in FAMILIES:
             raise registry.PluginError(
                 f"no processor adapter for model_type {model_type!r} (model {model_path}); supported: "
                 f"{', '.join(FAMILIES)}. Set processor.name to a registered adapter or 'module:Class'.")
         name = FAMILIES[model_type]
-    cls = registry.resolve("processor", name)
-    return cls(model_path, **kwargs)
+    return registry.resolve("processor", name)
 
 
 def process_sample(processor: Any, sample: Any) -> Any:

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoProcessor
 
 from mmrl.data.media_limits import MediaLimits
 from mmrl.data.sample import Sample
-from mmrl.processors.base import ProcessedPrompt, PromptRejected
+from mmrl.processors.base import ProcessedPrompt, ProcessorAdapter, PromptRejected, float_tensors
 from mmrl.registry import register
 
 # Processor outputs the trainer forward needs besides the token ids.
@@ -118,8 +118,19 @@ def qwen_media_limits(model_type: str) -> MediaLimits:
 
 
 @register("processor", "qwen_vl")
-class QwenVLProcessor:
+class QwenVLProcessor(ProcessorAdapter):
     """Adapter for the Qwen-VL families: image, multi-image, video and mixed prompts."""
+
+    @staticmethod
+    def dummy_vision_output(model: Any) -> torch.Tensor:
+        """The tower on the smallest grid (one merged token) of zero pixels."""
+        vision = model.config.vision_config
+        merge = vision.spatial_merge_size
+        grid_thw = torch.tensor([[1, merge, merge]])
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        pixels = torch.zeros(int(grid_thw.prod()), patch_dim, dtype=next(model.parameters()).dtype)
+        out = model.get_image_features(pixel_values=pixels, image_grid_thw=grid_thw)
+        return sum(t.float().sum() for t in float_tensors(out))
 
     def __init__(self, model_path: str, *, min_pixels: int | None = None, max_pixels: int | None = None,
                  max_prompt_tokens: int = 1024, trust_remote_code: bool = False):
@@ -175,7 +186,7 @@ class QwenVLProcessor:
         if media:
             vllm_input["multi_modal_data"] = media
         return ProcessedPrompt(key=sample.key, vllm_input=vllm_input, prompt_ids=ids.tolist(),
-                               position_ids_3P=positions_3P, next_position=int(positions_3P.max()) + 1,
+                               positions_AP=positions_3P, next_position=int(positions_3P.max()) + 1,
                                mm_inputs=mm_inputs)
 
     def expand(self, vllm_input: dict[str, Any]) -> ProcessedPrompt:
@@ -239,7 +250,7 @@ class QwenVLProcessor:
             raise PromptRejected("multi_modal_data has more media than the prompt has vision pads")
         mm_inputs = {k: torch.cat(v) for k, v in parts.items()}
         positions_3P = self._rope_index(torch.tensor([out_ids]), torch.tensor([types]), **mm_inputs)
-        return ProcessedPrompt(key="", vllm_input=vllm_input, prompt_ids=out_ids, position_ids_3P=positions_3P,
+        return ProcessedPrompt(key="", vllm_input=vllm_input, prompt_ids=out_ids, positions_AP=positions_3P,
                                next_position=int(positions_3P.max()) + 1, mm_inputs=mm_inputs), source
 
     def video_frames(self, mm_inputs: dict[str, Any], index: int = 0) -> torch.Tensor:

@@ -79,7 +79,7 @@ class TrainerRolloutEngine:
             request_id = f"{s.request_key or 'r'}-{uuid.uuid4().hex[:12]}"
             self.counters.enter(request_id)
             future = loop.create_future()
-            self._queue.append((GenerationRequest(prompt_ids=view.prompt_ids, position_ids_3P=view.position_ids_3P,
+            self._queue.append((GenerationRequest(prompt_ids=view.prompt_ids, positions_AP=view.positions_AP,
                                                   next_position=view.next_position, mm_inputs=view.mm_inputs,
                                                   sampling=s), request_id, future))
             futures.append(future)

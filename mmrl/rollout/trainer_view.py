@@ -54,5 +54,5 @@ def to_trainer_view(processor: Any, prompt: ProcessedPrompt, t: Trajectory) -> N
         if v.shape[0] > start:
             tail[k] = v[start:]
     t.response_ids, t.loss_mask, t.behaviour_logprobs, t.token_versions = ids, mask, logprobs, versions
-    t.response_inputs = ray.put(ResponseInputs(position_ids_3T=full.position_ids_3P[:, P:], mm_inputs=tail))
+    t.response_inputs = ray.put(ResponseInputs(positions_AT=full.positions_AP[:, P:], mm_inputs=tail))
     t.new_media = {}

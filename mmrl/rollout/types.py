@@ -111,5 +111,5 @@ class ResponseInputs:
     positions of its tokens (vision blocks expanded) and the vision tensors of its media only.
     Kept in the rollout worker's object store; the trainer ranks fetch it."""
 
-    position_ids_3T: Any
+    positions_AT: Any
     mm_inputs: dict[str, Any]

@@ -5,10 +5,16 @@ starts at the same column P. The model then only projects the hidden states of t
 columns to vocabulary logits (`logits_to_keep`), which keeps the logits tensor at (B, T, V)
 instead of (B, P+T, V).
 
+Positions have A axes, as the family's processor adapter made them: (A, P) per prompt, A = 3
+for multi-axis rotary positions (M-RoPE), 1 for plain positions; the model gets (A, B, L), or
+(B, L) when A = 1. Nothing here knows a model family.
+
 Padding-free (`collate_packed`, trainer.padding_free): the sequences are laid end to end in one
-row, no pad token anywhere. Each keeps its own positions, and a fourth position row (the text
-position inside the sequence, restarting at 0) tells the model where sequences begin, so that
-attention never crosses from one sequence into another (transformers' packed-sequence masks).
+row, no pad token anywhere. Each keeps its own positions, and the text position inside the
+sequence (restarting at 0) tells the model where sequences begin, so that attention never
+crosses from one sequence into another (transformers' packed-sequence masks): with A > 1 it is
+an extra leading row, (A+1, 1, L), transformers' convention for multi-axis positions; with
+A = 1 the plain positions restart by themselves.
 Only the response tokens' logits are computed, (1, N, V) with N the micro-batch's response tokens;
 `MicroBatch.response_logprobs` puts them back in (B, T) for the loss.
 """
@@ -30,7 +36,7 @@ class TrainSequence:
     reference (`prompt_ref`) has empty prompt fields until `resolve_prompts` fills them on the rank."""
 
     prompt_ids: list[int]
-    position_ids_3P: torch.Tensor
+    positions_AP: torch.Tensor
     next_position: int
     mm_inputs: dict[str, torch.Tensor]
     response_ids: list[int]
@@ -48,7 +54,7 @@ class TrainSequence:
     # reference (`response_ref`, a `ResponseInputs`) and filled on the rank by `resolve_prompts`.
     # Without them response token t sits at next_position + t.
     response_ref: Any = None
-    response_position_ids_3T: torch.Tensor | None = None
+    response_positions_AT: torch.Tensor | None = None
     response_mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -64,11 +70,11 @@ class TrainSequence:
     @classmethod
     def from_prompt(cls, prompt: ProcessedPrompt | PromptRef, response_ids: list[int], behaviour_logprobs: list[float],
                     loss_mask: list[int], advantage: float = 0.0, response_ref: Any = None) -> "TrainSequence":
-        if isinstance(prompt, PromptRef):
-            return cls(prompt_ids=[], position_ids_3P=torch.zeros((3, 0), dtype=torch.long), next_position=0,
+        if isinstance(prompt, PromptRef):  # positions and ids arrive with resolve_prompts
+            return cls(prompt_ids=[], positions_AP=torch.zeros((0, 0), dtype=torch.long), next_position=0,
                        mm_inputs={}, response_ids=response_ids, behaviour_logprobs=behaviour_logprobs,
                        loss_mask=loss_mask, advantage=advantage, prompt_ref=prompt, response_ref=response_ref)
-        return cls(prompt_ids=prompt.prompt_ids, position_ids_3P=prompt.position_ids_3P,
+        return cls(prompt_ids=prompt.prompt_ids, positions_AP=prompt.positions_AP,
                    next_position=prompt.next_position, mm_inputs=prompt.mm_inputs, response_ids=response_ids,
                    behaviour_logprobs=behaviour_logprobs, loss_mask=loss_mask, advantage=advantage,
                    response_ref=response_ref)
@@ -79,9 +85,9 @@ def resolve_prompts(seqs: Sequence[TrainSequence]) -> None:
     share it) and fill their fields; on the trainer rank, before the forward."""
     import ray
 
-    responses = [s for s in seqs if s.response_ref is not None and s.response_position_ids_3T is None]
+    responses = [s for s in seqs if s.response_ref is not None and s.response_positions_AT is None]
     for s, inputs in zip(responses, ray.get([s.response_ref for s in responses]) if responses else []):
-        s.response_position_ids_3T, s.response_mm_inputs = inputs.position_ids_3T, inputs.mm_inputs
+        s.response_positions_AT, s.response_mm_inputs = inputs.positions_AT, inputs.mm_inputs
     pending = [s for s in seqs if s.prompt_ref is not None and not s.prompt_ids]
     if not pending:
         return
@@ -93,15 +99,15 @@ def resolve_prompts(seqs: Sequence[TrainSequence]) -> None:
         refs[ref] = prompt
     for s in pending:
         p = refs[s.prompt_ref.ref]  # type: ignore[union-attr]
-        s.prompt_ids, s.position_ids_3P, s.next_position, s.mm_inputs = \
-            p.prompt_ids, p.position_ids_3P, p.next_position, p.mm_inputs
+        s.prompt_ids, s.positions_AP, s.next_position, s.mm_inputs = \
+            p.prompt_ids, p.positions_AP, p.next_position, p.mm_inputs
 
 
 @dataclass
 class MicroBatch:
     input_ids_BL: torch.Tensor
-    attention_mask_BL: torch.Tensor | None  # None in the packed layout: its 4-row positions mark the starts
-    position_ids_3BL: torch.Tensor
+    attention_mask_BL: torch.Tensor | None  # None in the packed layout: its positions mark the starts
+    position_ids_ABL: torch.Tensor  # A position axes (plus the text row when packed with A > 1)
     mm_inputs: dict[str, torch.Tensor]
     response_ids_BT: torch.Tensor
     mask_BT: torch.Tensor
@@ -117,7 +123,7 @@ class MicroBatch:
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         mask = {} if self.attention_mask_BL is None else {"attention_mask": self.attention_mask_BL}
-        return {"input_ids": self.input_ids_BL, **mask, "position_ids": self.position_ids_3BL,
+        return {"input_ids": self.input_ids_BL, **mask, "position_ids": model_positions(self.position_ids_ABL),
                 "logits_to_keep": self.logits_to_keep, "use_cache": False, **self.mm_inputs}  # type: ignore[dict-item]
 
     def response_logprobs(self, logits: torch.Tensor, temperature: float,
@@ -143,12 +149,12 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int, padding_free: bool = Fal
     L = P + T
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attention = torch.zeros((B, L), dtype=torch.long)
-    positions = torch.zeros((3, B, L), dtype=torch.long)
+    positions = torch.zeros((position_axes(seqs), B, L), dtype=torch.long)
     for i, s in enumerate(seqs):
         n_p, n_r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, P - n_p:P] = torch.tensor(s.prompt_ids)
         attention[i, P - n_p:P + n_r] = 1
-        positions[:, i, P - n_p:P] = s.position_ids_3P
+        positions[:, i, P - n_p:P] = s.positions_AP
         own = _response_positions(s)
         positions[:, i, P:P + n_r] = own
         # the right padding continues the positions (its tokens are masked out)
@@ -160,20 +166,33 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int, padding_free: bool = Fal
     old = _padded([s.old_logprobs for s in seqs], T)
     ref = _padded([s.ref_logprobs for s in seqs], T)
     mm_inputs = _media(seqs)
-    return MicroBatch(input_ids_BL=input_ids, attention_mask_BL=attention, position_ids_3BL=positions,
+    return MicroBatch(input_ids_BL=input_ids, attention_mask_BL=attention, position_ids_ABL=positions,
                       mm_inputs=mm_inputs, response_ids_BT=response, mask_BT=mask,
                       behaviour_logprobs_BT=behaviour, old_logprobs_BT=old, ref_logprobs_BT=ref,
                       advantages_B=torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
                       logits_to_keep=torch.arange(P - 1, P + T - 1))
 
 
+def position_axes(seqs: Sequence[Any]) -> int:
+    """A, the number of position axes of these prompts (one family per run: all agree)."""
+    axes = {int(s.positions_AP.shape[0]) for s in seqs}
+    if len(axes) != 1:
+        raise ValueError(f"prompts with different numbers of position axes in one batch: {sorted(axes)}")
+    return axes.pop()
+
+
+def model_positions(position_ids_ABL: torch.Tensor) -> torch.Tensor:
+    """What the model's forward takes: (A, B, L), or (B, L) for plain positions (A = 1)."""
+    return position_ids_ABL[0] if position_ids_ABL.shape[0] == 1 else position_ids_ABL
+
+
 def _response_positions(s: TrainSequence) -> torch.Tensor:
-    """(3, n_r): a response's own positions when it holds media, else the text positions that
+    """(A, n_r): a response's own positions when it holds media, else the text positions that
     continue after the prompt's largest position."""
     n_r = len(s.response_ids)
-    if s.response_position_ids_3T is not None and n_r:
-        return s.response_position_ids_3T
-    return (s.next_position + torch.arange(n_r)).expand(3, n_r)
+    if s.response_positions_AT is not None and n_r:
+        return s.response_positions_AT
+    return (s.next_position + torch.arange(n_r)).expand(s.positions_AP.shape[0], n_r)
 
 
 def _response_rows(seqs: Sequence[TrainSequence], T: int,
@@ -201,22 +220,23 @@ def _media(seqs: Sequence[TrainSequence]) -> dict[str, torch.Tensor]:
 
 def collate_packed(seqs: Sequence[TrainSequence], pad_id: int = 0) -> MicroBatch:
     """All sequences end to end in one row (trainer.padding_free): no pad token, each sequence
-    with its own positions plus a restarting text-position row that keeps attention inside it."""
+    with its own positions plus (A > 1) a restarting text-position row that keeps attention inside it."""
     T = max(max(len(s.response_ids) for s in seqs), 1)
+    text_row = position_axes(seqs) > 1
     ids, positions, keep, packed = [], [], [], []
     start = 0
     for s in seqs:
         n_p, n_r = len(s.prompt_ids), len(s.response_ids)
         ids += [*s.prompt_ids, *s.response_ids]
-        own = torch.cat([s.position_ids_3P, _response_positions(s)], dim=1)
-        positions.append(torch.cat([torch.arange(n_p + n_r).unsqueeze(0), own]))  # (4, n_p + n_r)
+        own = torch.cat([s.positions_AP, _response_positions(s)], dim=1)
+        positions.append(torch.cat([torch.arange(n_p + n_r).unsqueeze(0), own]) if text_row else own)
         keep += range(start + n_p - 1, start + n_p + n_r - 1)  # the logits that predict the response
         packed += s.response_ids
         start += n_p + n_r
     response, mask, behaviour = _response_rows(seqs, T, pad_id)  # (B, T) for the loss
     lengths = torch.tensor([len(s.response_ids) for s in seqs])
     return MicroBatch(input_ids_BL=torch.tensor([ids]), attention_mask_BL=None,
-                      position_ids_3BL=torch.cat(positions, dim=1).unsqueeze(1), mm_inputs=_media(seqs),
+                      position_ids_ABL=torch.cat(positions, dim=1).unsqueeze(1), mm_inputs=_media(seqs),
                       response_ids_BT=response, mask_BT=mask, behaviour_logprobs_BT=behaviour,
                       old_logprobs_BT=_padded([s.old_logprobs for s in seqs], T),
                       ref_logprobs_BT=_padded([s.ref_logprobs for s in seqs], T),

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mmrl.rollout.types import RequestSampling
+from mmrl.trainer.batch import model_positions, position_axes
 
 # vLLM clamps a logit bias to +-100; the trainer's logprob function uses the same number.
 FORBIDDEN_BIAS = -100.0
@@ -26,7 +27,7 @@ class GenerationRequest:
     """One response to sample: the prompt as the trainer sees it (vision blocks expanded) and its settings."""
 
     prompt_ids: list[int]
-    position_ids_3P: torch.Tensor
+    positions_AP: torch.Tensor
     next_position: int
     mm_inputs: dict[str, torch.Tensor]
     sampling: RequestSampling
@@ -41,20 +42,20 @@ class Generated:
 
 
 def _prefill_inputs(requests: Sequence[GenerationRequest], pad_id: int) -> dict[str, Any]:
-    """Left-padded prompts (every row's next token is in the last column), their M-RoPE positions
-    and vision tensors."""
+    """Left-padded prompts (every row's next token is in the last column), their positions (the
+    adapter's A axes) and vision tensors."""
     B, P = len(requests), max(len(r.prompt_ids) for r in requests)
     input_ids = torch.full((B, P), pad_id, dtype=torch.long)
     attention = torch.zeros((B, P), dtype=torch.long)
-    positions = torch.zeros((3, B, P), dtype=torch.long)
+    positions = torch.zeros((position_axes(requests), B, P), dtype=torch.long)
     for i, r in enumerate(requests):
         n = len(r.prompt_ids)
         input_ids[i, P - n:] = torch.tensor(r.prompt_ids)
         attention[i, P - n:] = 1
-        positions[:, i, P - n:] = r.position_ids_3P
+        positions[:, i, P - n:] = r.positions_AP
     keys = sorted({k for r in requests for k in r.mm_inputs})
     mm = {k: torch.cat([r.mm_inputs[k] for r in requests if k in r.mm_inputs]) for k in keys}
-    return {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, **mm}
+    return {"input_ids": input_ids, "attention_mask": attention, "position_ids": model_positions(positions), **mm}
 
 
 def _draw(logits_V: torch.Tensor, sampling: RequestSampling, generator: torch.Generator | None) -> int:
@@ -99,6 +100,7 @@ def sample_responses(forward: Callable[..., Any], requests: Sequence[GenerationR
     out_ = [Generated() for _ in requests]
     done = [r.filler or r.sampling.max_tokens <= 0 for r in requests]
     next_pos = torch.tensor([r.next_position for r in requests])
+    axes = position_axes(requests)
     with prefill_context(mm) if prefill_context is not None else nullcontext():
         out = forward(**inputs, use_cache=True, logits_to_keep=1)
     step = 0
@@ -121,7 +123,7 @@ def sample_responses(forward: Callable[..., Any], requests: Sequence[GenerationR
         if all_done(all(done)):
             return out_
         attention = torch.cat([attention, torch.ones((len(requests), 1), dtype=torch.long)], dim=1)
-        positions = (next_pos + step).view(1, -1, 1).expand(3, -1, 1)
+        positions = model_positions((next_pos + step).view(1, -1, 1).expand(axes, -1, 1))
         out = forward(input_ids=fed, attention_mask=attention, position_ids=positions,
                       past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
         step += 1

@@ -51,6 +51,7 @@ class TrainerSpec:
     reference_model: bool = False  # load a frozen reference policy (KL); with LoRA: adapters off
     lora: dict[str, Any] | None = None  # {rank, alpha, dropout, target_modules}; None = full fine-tuning
     padding_free: bool = False  # micro-batches as one packed row (trainer.padding_free)
+    processor: str = "auto"  # the family adapter (processor.name): its class hooks run the vision tower
 
 
 class TrainerWorker:
@@ -67,6 +68,9 @@ class TrainerWorker:
         # nothing a user can act on, and Ray repeats the warning on the console every step.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         self.engine: Any = None
+        from mmrl.processors.base import processor_class
+
+        self.adapter = processor_class(spec.processor, spec.model_path, spec.trust_remote_code)
         # sequence uid -> {"old_logprobs": [...], "ref_logprobs": [...]}: computed by keep_logprobs
         # for this rank's share of the next update, consumed by train_step
         self._kept: dict[int, dict[str, list[float]]] = {}
@@ -158,27 +162,15 @@ class TrainerWorker:
         mismatch. For such a forward, run the tower on a dummy patch grid, with zero weight, at
         the point where the image path runs it (right after the token embedding), so every rank
         performs the same gathers in the same order."""
-        if "pixel_values" in mm_inputs or "pixel_values_videos" in mm_inputs:
+        if self.adapter.runs_vision(mm_inputs):
             yield
             return
         embed = engine.module.get_input_embeddings()
-        hook = embed.register_forward_hook(lambda _m, _i, out: out + 0.0 * self._dummy_vision_output(engine))
+        hook = embed.register_forward_hook(lambda _m, _i, out: out + 0.0 * self.adapter.dummy_vision_output(engine.module))
         try:
             yield
         finally:
             hook.remove()
-
-    def _dummy_vision_output(self, engine: Any) -> torch.Tensor:
-        model = engine.module
-        config = model.config
-        vision = config.vision_config
-        merge = vision.spatial_merge_size
-        grid_thw = torch.tensor([[1, merge, merge]])  # the smallest grid: one merged token
-        n_patches = int(grid_thw.prod())
-        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-        pixels = torch.zeros(n_patches, patch_dim, dtype=next(model.parameters()).dtype)
-        out = model.get_image_features(pixel_values=pixels, image_grid_thw=grid_thw)
-        return sum(t.float().sum() for t in _tensors(out))
 
     def _reference(self) -> tuple[Any, Any]:
         """(engine, context) computing the reference policy's logprobs."""
@@ -252,7 +244,7 @@ class TrainerWorker:
             self.engine, requests,
             pad_id=self.spec.pad_token_id, eos_token_ids=eos_token_ids, all_done=all_done, decode=decode,
             prefill_context=lambda mm: self.vision_aligned(self.engine, mm))
-        seqs = [TrainSequence(prompt_ids=r.prompt_ids, position_ids_3P=r.position_ids_3P, next_position=r.next_position,
+        seqs = [TrainSequence(prompt_ids=r.prompt_ids, positions_AP=r.positions_AP, next_position=r.next_position,
                               mm_inputs=r.mm_inputs, response_ids=g.token_ids, behaviour_logprobs=[0.0] * len(g.token_ids),
                               loss_mask=[1] * len(g.token_ids)) for r, g in zip(requests, generated)]
         _, logprobs_BT, _ = self._forward(seqs)
@@ -389,17 +381,6 @@ class TrainerWorker:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Every floating tensor in a (nested) model output: the vision outputs differ by family."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    return []
 
 
 def make_trainer_actors(spec: TrainerSpec, options: dict[str, Any]) -> list[Any]:
