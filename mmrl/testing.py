@@ -111,7 +111,7 @@ def check_processor(spec: Any, model_dir: str | Path, samples: Sequence[Sample] 
     assert [t for t in out.prompt_ids if t != pad] == [t for t in engine_ids if t != pad], \
         "the engine's and the trainer's prompts differ outside the image placeholders"
     assert out.prompt_ids.count(pad) >= len(sample.images), "the trainer's prompt has the expanded placeholders"
-    assert all(t in proc.forbidden_token_ids for t in (proc.image_token_id, proc.video_token_id)), \
+    assert all(t in proc.forbidden_token_ids for t in (proc.image_token_id, proc.video_token_id) if t is not None), \
         "vision placeholder tokens must be in forbidden_token_ids (the policy must never sample them)"
     assert isinstance(proc.decode(out.prompt_ids[:4]), str)
     limits = proc.media_limits

@@ -18,6 +18,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mmrl.models.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm("llava", tmp_path_factory.mktemp("tiny") / "llava", seed=0)
+
+
+@pytest.fixture(scope="session")
 def colors_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mmrl.data.recipes.colors import build
 

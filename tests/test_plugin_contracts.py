@@ -154,14 +154,22 @@ def test_a_multi_turn_loop_from_a_file(engine_for_loops: dict, colors_samples: l
             assert all(lp == 0.0 for lp, m in zip(t.behaviour_logprobs, t.loss_mask) if not m)
 
 
+# The model folder each adapter is checked on (a fixture that builds it locally).
+PROCESSOR_MODELS = {"llava": "tiny_llava_dir"}
+
+
 @pytest.mark.parametrize("name", _names("processor"))
-def test_processor_contract(name: str, tiny_model_dir: Path, colors_samples: list) -> None:
-    proc = check_processor(name, tiny_model_dir, colors_samples)
+def test_processor_contract(name: str, colors_samples: list, request: pytest.FixtureRequest) -> None:
+    proc = check_processor(name, request.getfixturevalue(PROCESSOR_MODELS.get(name, "tiny_model_dir")), colors_samples)
     if name == "qwen_vl":  # Qwen-VL: three M-RoPE axes, 2x2 patches merged into one token
         out = proc(colors_samples[0])
         assert out.positions_AP.shape == (3, len(out.prompt_ids))
         grid = out.mm_inputs["image_grid_thw"]
         assert out.prompt_ids.count(proc.image_token_id) == int(grid.prod(-1).sum()) // 4
+    if name == "llava":  # one token per CLIP patch, plain positions, the engine's prompt rebuilt exactly
+        out = proc(colors_samples[0])
+        assert out.prompt_ids.count(proc.image_token_id) == 16 and out.positions_AP.shape == (1, len(out.prompt_ids))
+        assert proc.expand(out.vllm_input).prompt_ids == out.prompt_ids
 
 
 @pytest.mark.parametrize("name", _names("dataset"))

@@ -50,8 +50,9 @@ def test_round_trip_forward(arch: str, tmp_path: Path) -> None:
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
     assert text.endswith("<|im_start|>assistant\n")
     enc = processor(text=[text], images=[_image()], return_tensors="pt")
-    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    assert int((enc["input_ids"] == image_pad).sum()) == 4  # 56x56 -> 2x2 merged patches
+    image_pad = model.config.image_token_id
+    # Qwen: 56x56 -> 2x2 merged patches; LLaVA: 4x4 CLIP patches of 14 (the CLS token dropped)
+    assert int((enc["input_ids"] == image_pad).sum()) == (16 if arch == "llava" else 4)
     with torch.no_grad():
         logits = model(**enc).logits
     assert logits.shape == (1, enc["input_ids"].shape[1], len(processor.tokenizer))
@@ -137,7 +138,7 @@ def test_bfloat16_and_pixel_budget(tmp_path: Path) -> None:
     enc = processor(text=[_chat(processor)], images=[_image(112)], return_tensors="pt")
     assert int(enc["image_grid_thw"].prod()) // 4 == 4  # 112x112 capped to the 4-token budget
     with pytest.raises(ValueError):
-        build_tiny_vlm("llava", tmp_path / "x")
+        build_tiny_vlm("llava_next", tmp_path / "x")  # not a family the kit builds
 
 
 _VLLM_SCRIPT = textwrap.dedent("""

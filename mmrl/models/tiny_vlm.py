@@ -1,8 +1,10 @@
-"""Tiny random-weight Qwen-VL models, built locally, for tests and the offline demo.
+"""Tiny random-weight VLMs, built locally, for tests and the offline demo.
 
 No model hub is reachable where mmrl is developed and tested, so every model the tests use is
 built here from a config: a byte-level BPE tokenizer trained on a small local corpus and a
-Qwen2-VL / Qwen2.5-VL / Qwen3-VL with random (seeded) weights. The output folder is an ordinary
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL, or a LLaVA (CLIP vision tower, MLP projector, a Qwen2 text
+model, plain 1-D positions, `<image>` expanded to a fixed number of tokens), with random
+(seeded) weights. The output folder is an ordinary
 Hugging Face folder: `AutoProcessor`, `AutoModelForImageTextToText` and `vllm.LLM` load it
 offline and nothing in it depends on mmrl (`mmrl_tiny.json` only records how it was built).
 """
@@ -16,7 +18,8 @@ from typing import Any, Sequence
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava")
+QWEN_ARCHS = ARCHS[:3]
 
 # Answer words of the built-in tasks. Each must be ONE token ("red", " red", "Red") so a reward
 # or a probe can read a one-word answer from a single sampled token.
@@ -35,6 +38,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|quad_start|>", "<|quad_end|>",
     "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 )
+
+# LLaVA adds its image placeholder (expanded by its processor to one token per vision patch).
+LLAVA_IMAGE_TOKEN = "<image>"
 
 # Qwen2's pre-tokenizer split: words keep their leading space/punctuation, digits split singly.
 QWEN_PRETOKENIZE_REGEX = (
@@ -68,6 +74,10 @@ CHAT_TEMPLATE = "".join([
     "{% endif %}{% endfor %}",
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
 ])
+
+# LLaVA's template: the same chat format, one <image> per image (its processor expands it).
+LLAVA_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", LLAVA_IMAGE_TOKEN)
+LLAVA_IMAGE_SIDE = 56  # pixels: CLIP's fixed input, 4 x 4 patches of 14 -> 16 image tokens
 
 # Text that looks like the prompts and answers the tokenizer will see, so that BPE spends its
 # merges on them (short prompts -> short sequences -> fast tests).
@@ -153,14 +163,15 @@ def _word_forms(words: Sequence[str]) -> list[str]:
 
 
 def build_tokenizer(out_dir: str | Path, words: Sequence[str] = DEFAULT_WORDS,
-                    vocab_size: int = 512) -> PreTrainedTokenizerFast:
+                    vocab_size: int = 512, special_tokens: Sequence[str] = SPECIAL_TOKENS,
+                    chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """Train a tiny Qwen-style tokenizer, save it to `out_dir`, and return it.
 
     `vocab_size` counts everything, the 14 special tokens included; when the corpus is too small
     to learn that many merges the vocabulary is smaller. Same arguments -> byte-identical files.
     """
     forms = _word_forms(words)
-    budget = vocab_size - len(SPECIAL_TOKENS)
+    budget = vocab_size - len(special_tokens)
     learnt = _train_merges(_corpus(words), budget)
     # Forced word merges take room from the learnt ones: drop the lowest-priority learnt merges
     # (their tokens are used by no other learnt merge) until everything fits.
@@ -176,7 +187,7 @@ def build_tokenizer(out_dir: str | Path, words: Sequence[str] = DEFAULT_WORDS,
         keep = max(0, keep - overflow)
 
     tok = _base_tokenizer(vocab, merges)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(special_tokens))
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -185,7 +196,7 @@ def build_tokenizer(out_dir: str | Path, words: Sequence[str] = DEFAULT_WORDS,
         bos_token=None,
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
     bad = [f for f in forms if len(hf_tok.encode(f, add_special_tokens=False)) != 1]
     if bad:  # cannot happen unless the tokenizers library changes its BPE
@@ -230,6 +241,16 @@ def _config(arch: str, s: _Sizes, ids: dict[str, int], vocab_size: int) -> Any:
         depth=s.vision_depth, num_heads=s.vision_heads, patch_size=s.patch_size,
         spatial_merge_size=s.merge_size, temporal_patch_size=s.temporal_patch_size, in_channels=3,
     )
+    if arch == "llava":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
+        clip = transformers.CLIPVisionConfig(
+            hidden_size=s.vision_hidden, intermediate_size=2 * s.vision_hidden, num_hidden_layers=s.vision_depth,
+            num_attention_heads=s.vision_heads, image_size=LLAVA_IMAGE_SIDE, patch_size=s.patch_size,
+            projection_dim=s.vision_hidden)
+        return transformers.LlavaConfig(
+            text_config=transformers.Qwen2Config(**text), vision_config=clip, image_token_id=ids[LLAVA_IMAGE_TOKEN],
+            vision_feature_select_strategy="default", vision_feature_layer=-1, projector_hidden_act="gelu",
+            tie_word_embeddings=False)
     if arch == "qwen2_vl":
         cls = transformers.Qwen2VLConfig
         # Qwen2-VL names the vision width embed_dim and its output width hidden_size
@@ -259,6 +280,13 @@ def _config(arch: str, s: _Sizes, ids: dict[str, int], vocab_size: int) -> Any:
 def _processor(arch: str, s: _Sizes, tokenizer: PreTrainedTokenizerFast) -> Any:
     """Image + video processor with a tiny pixel budget, bundled with the tokenizer."""
     import transformers
+
+    if arch == "llava":
+        image_proc = transformers.CLIPImageProcessor(size={"shortest_edge": LLAVA_IMAGE_SIDE},
+                                                     crop_size={"height": LLAVA_IMAGE_SIDE, "width": LLAVA_IMAGE_SIDE})
+        return transformers.LlavaProcessor(image_processor=image_proc, tokenizer=tokenizer, patch_size=s.patch_size,
+                                           vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                           chat_template=LLAVA_CHAT_TEMPLATE, image_token=LLAVA_IMAGE_TOKEN)
 
     size = {"shortest_edge": s.image_min_pixels, "longest_edge": s.image_max_pixels}
     grid = dict(patch_size=s.patch_size, merge_size=s.merge_size,
@@ -312,8 +340,11 @@ def build_tiny_vlm(arch: str, out_dir: str | Path, *, words: Sequence[str] = DEF
         raise ValueError("image_min_pixels must not exceed image_max_pixels")
 
     out = Path(out_dir)
-    tokenizer = build_tokenizer(out, words)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    llava = arch == "llava"
+    specials = (*SPECIAL_TOKENS, LLAVA_IMAGE_TOKEN) if llava else SPECIAL_TOKENS
+    tokenizer = build_tokenizer(out, words, special_tokens=specials,
+                                chat_template=LLAVA_CHAT_TEMPLATE if llava else CHAT_TEMPLATE)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
     config = _config(arch, sizes, ids, len(tokenizer))
 
     from transformers import AutoModelForImageTextToText
@@ -326,6 +357,10 @@ def build_tiny_vlm(arch: str, out_dir: str | Path, *, words: Sequence[str] = DEF
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
         ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
     model.save_pretrained(out)
+    if llava:
+        from mmrl.processors.llava import LlavaProcessor
+
+        LlavaProcessor.finish_saved_model(out)
     _processor(arch, sizes, tokenizer).save_pretrained(out)
 
     provenance = {
@@ -336,3 +371,4 @@ def build_tiny_vlm(arch: str, out_dir: str | Path, *, words: Sequence[str] = DEF
     }
     (out / "mmrl_tiny.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return out
+

@@ -81,6 +81,17 @@ class ProcessorAdapter:
         raise NotImplementedError("this adapter cannot run its model's vision tower on a dummy input; "
                                   "implement ProcessorAdapter.dummy_vision_output")
 
+    @staticmethod
+    def finish_saved_model(folder: Any) -> None:
+        """Fix up a model folder transformers just wrote (an export, a built model) so that the
+        rollout engine loads it; nothing unless the family's engine and transformers disagree."""
+
+    @staticmethod
+    def engine_weight_name(name: str) -> str:
+        """The name the rollout engine loads a trainer weight under (the weight sync sends it so);
+        the same name unless the family's engine and transformers disagree."""
+        return name
+
 
 def float_tensors(obj: Any) -> list[torch.Tensor]:
     """Every floating tensor in a (nested) model output: vision outputs differ by family."""
@@ -98,6 +109,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_vl": "qwen_vl",
     "qwen2_5_vl": "qwen_vl",
     "qwen3_vl": "qwen_vl",
+    "llava": "llava",
 }
 
 

@@ -351,7 +351,8 @@ class TrainerWorker:
             n_buckets += 1
             with deepspeed.zero.GatheredParameters([p for u in bucket for p in u.params], modifier_rank=None):
                 if self.rank == 0:
-                    payload = save_safetensors({n: t for u in bucket for n, t in u.tensors().items()})
+                    payload = save_safetensors({self.adapter.engine_weight_name(n): t
+                                                for u in bucket for n, t in u.tensors().items()})
                     sent_bytes += len(payload)
                     ref = ray.put(payload)
                     pending += [e.stage_weights.remote(ref) for e in engines]
