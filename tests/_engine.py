@@ -23,3 +23,24 @@ def tiny_engine(model_dir: Path, run_dir: Path, agent_loop: str = "single_turn",
             yield {**eng, "workers": workers}
         finally:
             workers.close()
+
+
+@contextmanager
+def demo_runtime(model_dir: Path, colors_dir: Path, run_dir: Path, *overrides: str) -> Iterator[Any]:
+    """The demo config's live processes (Ray, engines, the 2 ZeRO-3 ranks, workers) on `model_dir`
+    and the colours shards, with `overrides`; closed and Ray shut down afterwards."""
+    import ray
+
+    from mmrl.config import load_config
+    from mmrl.controller.loop import start_runtime
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(str(repo / "configs" / "colors_demo.yaml"), [
+        f"model.path={model_dir}", f"data.train_shards={colors_dir}/train-000000.tar",
+        f"data.heldout_shards={colors_dir}/heldout-000000.tar", f"run.output_dir={run_dir}", *overrides])
+    rt = start_runtime(cfg)
+    try:
+        yield rt
+    finally:
+        rt.close()
+        ray.shutdown()

@@ -9,32 +9,23 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from test_parity import _rollout_and_compare
+from _engine import demo_runtime
+from test_parity import _rollout_and_compare, train_with_a_text_only_rank
 
-from mmrl.config import load_config
 from mmrl.controller.learn import make_sequences
-from mmrl.controller.loop import start_runtime
 from mmrl.data.sample import Sample, messages_from_prompt
 from mmrl.models.tiny_vlm import build_tiny_vlm
-from mmrl.trainer.batch import TrainSequence
-from mmrl.trainer.plan import MiniBatch, StepInputs, plan_updates
+from mmrl.trainer.plan import plan_updates
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def runtime(colors_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     model = build_tiny_vlm("llava", tmp_path_factory.mktemp("llava") / "tiny-llava", seed=0)
-    cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"), [
-        f"model.path={model}", f"data.train_shards={colors_dir}/train-000000.tar",
-        f"data.heldout_shards={colors_dir}/heldout-000000.tar",
-        f"run.output_dir={tmp_path_factory.mktemp('llava_run')}", "trainer.lr=0.02", "rollout.max_new_tokens=8",
-        "rollout.engine_args.limit_mm_per_prompt={image: 2, video: 0}"])
-    rt = start_runtime(cfg)
-    yield rt
-    rt.close()
-    ray.shutdown()
+    with demo_runtime(model, colors_dir, tmp_path_factory.mktemp("llava_run"), "trainer.lr=0.02",
+                      "rollout.max_new_tokens=8", "rollout.engine_args.limit_mm_per_prompt={image: 2, video: 0}") as rt:
+        yield rt
 
 
 def test_llava_parity_before_and_after_weight_sync(runtime, colors_samples: list) -> None:
@@ -64,15 +55,4 @@ def test_llava_parity_before_and_after_weight_sync(runtime, colors_samples: list
 
 @pytest.mark.timeout(300)
 def test_llava_text_only_micro_batch_on_one_rank(runtime, colors_samples: list) -> None:
-    """Rank 0 trains on image prompts, rank 1 on text-only ones: rank 1 runs the tower on the
-    adapter's dummy input, or rank 0's parameter gathers would wait forever."""
-    rt = runtime
-    image_prompts = [rt.processor(s) for s in colors_samples[:2]]
-    text_prompts = [rt.processor(Sample(key=f"t{i}", messages=messages_from_prompt(f"Name colour number {i}.")))
-                    for i in range(2)]
-    assert not text_prompts[0].mm_inputs
-    shards = [[TrainSequence.from_prompt(p, [11, 12], [-1.0, -1.0], [1, 1], advantage=1.0) for p in prompts]
-              for prompts in (image_prompts, text_prompts)]
-    stats = ray.get([tr.train_step.remote(StepInputs([MiniBatch([s], 8.0)])) for tr, s in zip(rt.trainers, shards)],
-                    timeout=240)
-    assert all(torch.isfinite(torch.tensor(s["grad_norms"][0])) for s in stats)
+    train_with_a_text_only_rank(runtime, colors_samples)

@@ -10,28 +10,23 @@ import pytest
 import ray
 import torch
 
-from mmrl.config import load_config
+from _engine import demo_runtime
+
 from mmrl.controller.learn import logprob_pass, make_sequences
-from mmrl.controller.loop import Runtime, start_runtime
+from mmrl.controller.loop import Runtime
 from mmrl.controller.rollout import run_rollout
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.plan import plan_updates
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir: Path, colors_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"), [
-        f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-000000.tar",
-        f"data.heldout_shards={colors_dir}/heldout-000000.tar", f"run.output_dir={tmp_path_factory.mktemp('lora')}",
-        "trainer.lr=0.05", "trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8",
-        "algorithm.kl.coef=0.1"])
-    rt = start_runtime(cfg)
-    yield rt
-    rt.close()
-    ray.shutdown()
+    with demo_runtime(tiny_model_dir, colors_dir, tmp_path_factory.mktemp("lora"), "trainer.lr=0.05",
+                      "trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8",
+                      "algorithm.kl.coef=0.1") as rt:
+        yield rt
 
 
 def _groups(rt: Runtime, samples: list) -> list:

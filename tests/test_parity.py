@@ -11,9 +11,10 @@ import pytest
 import ray
 import torch
 
-from mmrl.config import load_config
+from _engine import demo_runtime
+
 from mmrl.controller.learn import make_sequences
-from mmrl.controller.loop import Runtime, start_runtime
+from mmrl.controller.loop import Runtime
 from mmrl.controller.rollout import run_rollout
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.batch import TrainSequence
@@ -25,18 +26,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir: Path, colors_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"), [
-        f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-000000.tar",
-        f"data.heldout_shards={colors_dir}/heldout-000000.tar",
-        f"run.output_dir={tmp_path_factory.mktemp('parity_run')}", "trainer.lr=0.02", "rollout.max_new_tokens=8",
-        # room for an image a tool returns in a later turn (the multi-turn test)
-        "rollout.engine_args.limit_mm_per_prompt={image: 2, video: 0}",
-        # a pixel budget below the model's own: both sides must resize large images to it
-        "processor.max_pixels=12544"])
-    rt = start_runtime(cfg)
-    yield rt
-    rt.close()
-    ray.shutdown()
+    with demo_runtime(tiny_model_dir, colors_dir, tmp_path_factory.mktemp("parity_run"),
+                      "trainer.lr=0.02", "rollout.max_new_tokens=8",
+                      # room for an image a tool returns in a later turn (the multi-turn test)
+                      "rollout.engine_args.limit_mm_per_prompt={image: 2, video: 0}",
+                      # a pixel budget below the model's own: both sides must resize large images to it
+                      "processor.max_pixels=12544") as rt:
+        yield rt
 
 
 def _engine_logs() -> str:
@@ -96,13 +92,11 @@ def test_logprob_parity_before_and_after_weight_sync(runtime: Runtime, colors_sa
     print(f"parity mean|d|: before {before.mean():.2e}, control {control.mean():.2e}, after {after.mean():.2e}")
 
 
-@pytest.mark.timeout(300)
-def test_text_only_micro_batch_on_one_rank_does_not_hang(runtime: Runtime, colors_samples: list) -> None:
+def train_with_a_text_only_rank(rt: Runtime, colors_samples: list) -> None:
     """Rank 0 gets image prompts, rank 1 text-only ones: rank 1 must still run the vision tower
-    (zero-weighted) or the ZeRO-3 parameter gathers on rank 0 wait forever."""
+    (zero-weighted, the adapter's dummy input) or the ZeRO-3 parameter gathers on rank 0 wait forever."""
     from mmrl.data.sample import Sample, messages_from_prompt
 
-    rt = runtime
     image_prompts = [rt.processor(s) for s in colors_samples[:2]]
     text_prompts = [rt.processor(Sample(key=f"t{i}", messages=messages_from_prompt(f"Name colour number {i}.")))
                     for i in range(2)]
@@ -114,6 +108,11 @@ def test_text_only_micro_batch_on_one_rank_does_not_hang(runtime: Runtime, color
     stats = ray.get([tr.train_step.remote(StepInputs([MiniBatch([s], 8.0)])) for tr, s in zip(rt.trainers, shards)],
                     timeout=240)
     assert all(np.isfinite(s["grad_norms"][0]) for s in stats)
+
+
+@pytest.mark.timeout(300)
+def test_text_only_micro_batch_on_one_rank_does_not_hang(runtime: Runtime, colors_samples: list) -> None:
+    train_with_a_text_only_rank(runtime, colors_samples)
 
 
 @pytest.mark.timeout(300)

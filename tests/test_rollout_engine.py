@@ -22,30 +22,25 @@ import numpy as np
 import pytest
 import ray
 
-from mmrl.config import load_config
+from _engine import demo_runtime
+
 from mmrl.controller.learn import logprob_pass, make_sequences, update_policy
-from mmrl.controller.loop import Runtime, start_runtime
+from mmrl.controller.loop import Runtime
 from mmrl.controller.rollout import run_rollout
 from mmrl import registry
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.batch import TrainSequence
 from mmrl.utils.timing import StepSpans
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 LONG = 400  # tokens: a request this long is still running when the update comes
 
 
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir: Path, colors_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"), [
-        f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-000000.tar",
-        f"data.heldout_shards={colors_dir}/heldout-000000.tar", "rollout.max_requests_per_engine=3",
-        f"run.output_dir={tmp_path_factory.mktemp('engine_run')}", "trainer.lr=0.02", "rollout.max_new_tokens=8"])
-    rt = start_runtime(cfg)
-    yield rt
-    rt.close()
-    ray.shutdown()
+    with demo_runtime(tiny_model_dir, colors_dir, tmp_path_factory.mktemp("engine_run"),
+                      "rollout.max_requests_per_engine=3", "trainer.lr=0.02", "rollout.max_new_tokens=8") as rt:
+        yield rt
 
 
 def _train_without_sync(rt: Runtime, samples: list) -> None:

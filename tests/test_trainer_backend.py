@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
+
+from _engine import demo_runtime
 
 from mmrl import registry
 from mmrl.config import load_config
 from mmrl.config.load import ConfigError
 from mmrl.controller.learn import logprob_pass, make_sequences
-from mmrl.controller.loop import run_step, start_runtime
+from mmrl.controller.loop import run_step
 from mmrl.controller.rollout import run_rollout
 from mmrl.rollout.types import SamplingConfig
 from mmrl.utils.timing import StepSpans
@@ -30,16 +31,11 @@ TOOL_TEXT = " tool says: red"
 def runtime(tiny_model_dir: Path, colors_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     loop = tmp_path_factory.mktemp("loops") / "two_turn.py"
     loop.write_text(TWO_TURN_LOOP)
-    cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"), [
-        f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-000000.tar",
-        f"data.heldout_shards={colors_dir}/heldout-000000.tar", "rollout.backend=trainer",
-        f"rollout.agent_loop={loop}:two_turn", f"rollout.agent_loop_args={{tool_text: '{TOOL_TEXT}'}}",
-        "rollout.prompts_per_step=3", "rollout.group_size=4", "rollout.max_new_tokens=4", "trainer.lr=0.02",
-        f"run.output_dir={tmp_path_factory.mktemp('trainer_backend_run')}"])
-    rt = start_runtime(cfg)
-    yield rt
-    rt.close()
-    ray.shutdown()
+    with demo_runtime(tiny_model_dir, colors_dir, tmp_path_factory.mktemp("trainer_backend_run"),
+                      "rollout.backend=trainer", f"rollout.agent_loop={loop}:two_turn",
+                      f"rollout.agent_loop_args={{tool_text: '{TOOL_TEXT}'}}", "rollout.prompts_per_step=3",
+                      "rollout.group_size=4", "rollout.max_new_tokens=4", "trainer.lr=0.02") as rt:
+        yield rt
 
 
 def test_training_steps_sampled_by_the_trainer_have_no_mismatch(runtime, colors_samples: list) -> None:
