@@ -143,7 +143,7 @@ def test_a_multi_turn_loop_from_a_file(engine_for_loops: dict, colors_samples: l
     plugin = tmp_path / "my_loops.py"
     plugin.write_text(TWO_TURN_LOOP)
     samples = colors_samples[:3]
-    rollout, _ = run_agent_loop(engine_for_loops, f"{plugin}:two_turn", samples, n=2, args={"tool_text": " tool says: red"})
+    rollout, _ = run_agent_loop(f"{plugin}:two_turn", engine_for_loops, samples, n=2, args={"tool_text": " tool says: red"})
     check_trajectories(rollout, samples, n=2)
     tool_ids = engine_for_loops["processor"].tokenizer.encode(" tool says: red", add_special_tokens=False)
     for group in rollout.groups:
@@ -222,7 +222,7 @@ def test_multi_turn_tokens_are_the_engines_tokens(engine_for_loops: dict, colors
     processor = engine_for_loops["processor"]
     tok = processor.tokenizer
     args = {"parser": f"{PLUGINS}:every_function", "max_turns": 3, "tools": [{"name": f"{PLUGINS}:Echo"}]}
-    rollout, _ = run_agent_loop(engine_for_loops, f"{PLUGINS}:recording_multi_turn", colors_samples[:4], n=2, args=args)
+    rollout, _ = run_agent_loop(f"{PLUGINS}:recording_multi_turn", engine_for_loops, colors_samples[:4], n=2, args=args)
     check_trajectories(rollout, colors_samples[:4], n=2)
     drifted = 0
     for group in rollout.groups:
@@ -250,7 +250,7 @@ def test_multi_turn_tokens_are_the_engines_tokens(engine_for_loops: dict, colors
 def test_a_tool_that_raises_refuses_or_hangs_is_a_tool_error(engine_for_loops: dict, colors_samples: list) -> None:
     args = {"parser": f"{PLUGINS}:every_function", "max_turns": 2, "tool_timeout_s": 3.0,
             "tools": [{"name": f"{PLUGINS}:Raises"}, {"name": f"{PLUGINS}:Refuses"}, {"name": f"{PLUGINS}:Hangs"}]}
-    rollout, _ = run_agent_loop(engine_for_loops, "multi_turn", colors_samples[:2], n=2, args=args)
+    rollout, _ = run_agent_loop("multi_turn", engine_for_loops, colors_samples[:2], n=2, args=args)
     check_trajectories(rollout, colors_samples[:2], n=2)
     for t in (t for g in rollout.groups for t in g):
         assert t.stats["tool_calls"] == 3 and t.stats["tool_errors"] == 3 and t.stats["turns"] == 2
