@@ -93,6 +93,14 @@ class ProcessorAdapter:
         return name
 
 
+def media_list(x: Any) -> list[Any]:
+    """An engine prompt's `multi_modal_data` entry as a list: vLLM takes one item or a list, and
+    a video item is a (frames, metadata) pair."""
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) and not (len(x) == 2 and isinstance(x[1], dict)) else [x]
+
+
 def float_tensors(obj: Any) -> list[torch.Tensor]:
     """Every floating tensor in a (nested) model output: vision outputs differ by family."""
     if isinstance(obj, torch.Tensor):

@@ -16,14 +16,15 @@ from transformers import AutoConfig, AutoProcessor
 
 from mmrl.data.media_limits import MediaLimits
 from mmrl.data.sample import Sample
-from mmrl.processors.base import ProcessedPrompt, ProcessorAdapter, PromptRejected, float_tensors
+from mmrl.processors.base import ProcessedPrompt, ProcessorAdapter, PromptRejected, float_tensors, media_list
 from mmrl.registry import register
 
 
-def _as_list(x: Any) -> list[Any]:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]
+def _under_vision_model(name: str, tower: str) -> str:
+    """`<tower>X` -> `<tower>vision_model.X` (the layout of released LLaVA checkpoints)."""
+    if name.startswith(tower) and not name.startswith(tower + "vision_model."):
+        return tower + "vision_model." + name[len(tower):]
+    return name
 
 
 @register("processor", "llava")
@@ -62,10 +63,7 @@ class LlavaProcessor(ProcessorAdapter):
     def engine_weight_name(name: str) -> str:
         """transformers 5 names the CLIP tower's weights without `vision_model.`; vLLM's LLaVA
         loads them under it, as released checkpoints have them."""
-        prefix = "model.vision_tower."
-        if name.startswith(prefix) and not name.startswith(prefix + "vision_model."):
-            return prefix + "vision_model." + name[len(prefix):]
-        return name
+        return _under_vision_model(name, "model.vision_tower.")
 
     @staticmethod
     def finish_saved_model(folder: str | Path) -> None:
@@ -74,10 +72,8 @@ class LlavaProcessor(ProcessorAdapter):
         loads both."""
         from safetensors.torch import load_file, save_file
 
-        def canonical(name: str) -> str:
-            if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-                return "vision_tower.vision_model." + name[len("vision_tower."):]
-            return name
+        def canonical(name: str) -> str:  # checkpoint names have no "model." in front
+            return _under_vision_model(name, "vision_tower.")
 
         folder = Path(folder)
         for path in sorted(folder.glob("model*.safetensors")):
@@ -122,7 +118,7 @@ class LlavaProcessor(ProcessorAdapter):
         media = vllm_input.get("multi_modal_data") or {}
         if media.get("video"):
             raise PromptRejected("LLaVA takes images only")
-        images = iter(_as_list(media.get("image")))
+        images = iter(media_list(media.get("image")))
         out_ids: list[int] = []
         source: list[int] = []
         pixels: list[torch.Tensor] = []

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoProcessor
 
 from mmrl.data.media_limits import MediaLimits
 from mmrl.data.sample import Sample
-from mmrl.processors.base import ProcessedPrompt, ProcessorAdapter, PromptRejected, float_tensors
+from mmrl.processors.base import ProcessedPrompt, ProcessorAdapter, PromptRejected, float_tensors, media_list
 from mmrl.registry import register
 
 # Processor outputs the trainer forward needs besides the token ids.
@@ -45,12 +45,6 @@ def _hf_video_metadata(frames: Any, meta: dict[str, Any]) -> Any:
     return VideoMetadata(total_num_frames=meta["total_num_frames"], fps=meta["fps"], width=width, height=height,
                          duration=meta["duration"], video_backend=meta["video_backend"],
                          frames_indices=meta["frames_indices"])
-
-
-def _as_list(x: Any) -> list[Any]:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) and not (len(x) == 2 and isinstance(x[1], dict)) else [x]
 
 
 class _RopeIndex:
@@ -206,7 +200,7 @@ class QwenVLProcessor(ProcessorAdapter):
         logprobs, kept per engine token, are laid over the trainer's tokens."""
         ids = list(vllm_input["prompt_token_ids"])
         media = vllm_input.get("multi_modal_data") or {}
-        images, videos = iter(_as_list(media.get("image"))), iter(_as_list(media.get("video")))
+        images, videos = iter(media_list(media.get("image"))), iter(media_list(media.get("video")))
         start, end = (self.tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
         out_ids: list[int] = []
         source: list[int] = []

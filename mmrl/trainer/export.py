@@ -75,8 +75,9 @@ def export_checkpoint(path: str | Path, out: str | Path, dtype: str | None = Non
     for f in hf_files.iterdir():  # tokenizer, processor and chat template files
         if f.is_file() and not (out / f.name).exists():
             shutil.copy2(f, out / f.name)
-    from mmrl.processors.base import FAMILIES, processor_class
+    from mmrl import registry
+    from mmrl.processors.base import FAMILIES
 
     if config.model_type in FAMILIES:  # the engine must load the export (the family's adapter fixes names)
-        processor_class("auto", str(out)).finish_saved_model(out)
+        registry.resolve("processor", FAMILIES[config.model_type]).finish_saved_model(out)
     return out
