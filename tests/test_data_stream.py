@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 from collections import Counter
 
 import pytest
@@ -263,3 +264,20 @@ def test_decode_image_modes_and_pixel_limit():
     with pytest.raises(BadSampleError, match="too_many_pixels"):
         decode_sample({"__key__": "b", "json": js(prompt="p"), "png": png(size=(50, 50))},
                       DecodeOptions(pixel_limit=2_000))
+
+
+def test_a_live_video_decoder_moves_workers_to_a_forkserver_that_preloads_torch(monkeypatch):
+    """With decord/FFmpeg live, workers start from a forkserver (a fork would inherit the decoder's
+    threads); the server imports torch once, so each epoch's workers do not import it again."""
+    import multiprocessing.forkserver as forkserver
+
+    import av  # noqa: F401  (a native video decoder is now live in this process)
+
+    from mmrl.data.stream import FORKSERVER_PRELOAD, worker_start_method
+    assert worker_start_method("spawn") == "spawn"  # an explicit choice wins
+    monkeypatch.setattr(forkserver._forkserver, "_preload_modules", ["__main__"])
+    assert worker_start_method() == "forkserver"
+    assert forkserver._forkserver._preload_modules == list(FORKSERVER_PRELOAD)
+    for name in ("decord", "av", "torchcodec"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert worker_start_method(default="fork") == "fork"

@@ -9,12 +9,12 @@ benchmarks/data_pipeline.py.
 from __future__ import annotations
 
 import multiprocessing as mp
-import sys
 import time
 from typing import Any
 
 from mmrl.data.decode import DecodeOptions, decode_sample
 from mmrl.data.shards import expand_urls, read_shard
+from mmrl.data.stream import worker_start_method
 
 
 def read_raw_samples(urls: Any, limit: int | None = None, max_bytes: int | None = None) -> list[dict[str, Any]]:
@@ -59,11 +59,6 @@ def _decode_part(part: int, parts: int, warm: bool) -> int:
     return _decode_all(mine[:1] if warm else mine, _OPTIONS)
 
 
-def _pool_context() -> str:
-    """fork, unless a video decoder's native library is live here (see ShardStream._worker_context)."""
-    return "forkserver" if any(m in sys.modules for m in ("decord", "av", "torchcodec")) else "fork"
-
-
 def decode_bound(raws: list[dict[str, Any]], workers: int, options: DecodeOptions | None = None) -> float:
     """Samples/s of decoding `raws` on `workers` processes (0 = in this process), start-up excluded."""
     options = options or DecodeOptions()
@@ -74,7 +69,7 @@ def decode_bound(raws: list[dict[str, Any]], workers: int, options: DecodeOption
         start = time.perf_counter()
         _decode_all(raws, options)
         return len(raws) / (time.perf_counter() - start)
-    with mp.get_context(_pool_context()).Pool(workers, _init_worker, (raws, options)) as pool:
+    with mp.get_context(worker_start_method(default="fork")).Pool(workers, _init_worker, (raws, options)) as pool:
         pool.starmap(_decode_part, [(i, workers, True) for i in range(workers)])  # warm imports
         start = time.perf_counter()
         pool.starmap(_decode_part, [(i, workers, False) for i in range(workers)], chunksize=1)
