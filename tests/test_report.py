@@ -1,12 +1,9 @@
-"""`mmrl report`: step-time breakdown numbers, hints, plots and errors on a synthetic run, and
-once end to end on a real (short) demo run."""
+"""`mmrl report`: step-time breakdown numbers, hints, plots and errors on a synthetic run (the
+report on a real run is checked on the demo run in test_train_e2e.py)."""
 from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +11,6 @@ from rich.console import Console
 
 from mmrl.cli import main
 from mmrl.controller.report import OTHER, ReportError, hint, load_metrics, summarize, write_report
-
-REPO = Path(__file__).resolve().parents[1]
 
 # step -> (spans in seconds, time/step_s); rollout/engine_0 is a sub-span of rollout
 STEPS = {
@@ -223,46 +218,6 @@ def test_only_initial_eval_is_an_error(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["report", str(run)]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "no finished training step yet" in err and f"mmrl report {run}" in err
-
-
-@pytest.mark.slow
-def test_report_on_a_real_demo_run(tiny_model_dir: Path, colors_dir: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    train = subprocess.run(
-        [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / "colors_demo.yaml"),
-         f"model.path={tiny_model_dir}", f"data.train_shards={colors_dir}/train-{{000000..000001}}.tar",
-         f"data.heldout_shards={colors_dir}/heldout-000000.tar", f"run.output_dir={run_dir}",
-         "run.max_steps=4", "run.time_limit_s=null", "eval.every_steps=2", "logging.progress_bar=false"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
-    assert train.returncode == 0, train.stderr[-4000:]
-    report = subprocess.run([sys.executable, "-m", "mmrl.cli", "report", str(run_dir)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300, env={**env, "COLUMNS": "160"})
-    assert report.returncode == 0, report.stderr[-4000:]
-    out = report.stdout
-    assert "steps 1-4 (4 steps" in out and "where the time goes:" in out
-    for span in ["data_wait", "rollout", "reward", "train", "weight_sync", "eval", "other/unaccounted"]:
-        assert span in out, span
-    assert "256 per step" in out  # prompts_per_step 16 × group_size 16
-    for name in ["reward", "heldout_accuracy", "entropy", "mismatch", "step_time"]:
-        assert (run_dir / "report" / f"{name}.png").stat().st_size > 1000, name
-    summary = json.loads((run_dir / "report" / "summary.json").read_text())
-    assert summary["steps"]["count"] == 4
-    shares = sum(s["share"] for s in summary["spans"] if not s["nested"]) + summary["other"]["share"]
-    assert shares == pytest.approx(1.0)
-    # the machine was used: every metered phase burnt CPU, out of the CPUs Ray was given
-    cores = {s["name"]: s["cores"] for s in summary["spans"]}
-    assert all(cores[name] > 0 for name in ("rollout", "train", "weight_sync", "eval")), cores
-    assert cores["data_wait"] is None and summary["cores_available"] == float(os.cpu_count())
-    assert f"cores (of {os.cpu_count()})" in out
-    # start-up phase by phase, from the process start to the end of step 1
-    startup = summary["startup"]
-    assert {"imports", "ray", "processor", "engines_and_ranks", "data", "first_eval", "first_step"} <= set(startup)
-    assert sum(v for k, v in startup.items() if k != "total") == pytest.approx(startup["total"])
-    assert all(v >= 0 for v in startup.values()) and "start-up:" in out
-    # and what each kind of process spent on it: every process pays its own imports
-    assert {"driver", "TrainerWorker", "RolloutEngine", "RolloutWorker", "ray"} <= set(summary["startup_cpu"])
-    assert "start-up CPU:" in out
 
 
 def test_startup_cpu_by_kind_of_process(tmp_path: Path) -> None:
