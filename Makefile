@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(STAMP)
 
-$(STAMP): requirements/cpu.txt pyproject.toml scripts/setup_env.sh
+$(STAMP): requirements/cpu.txt pyproject.toml setup.py scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
 
 $(MODEL)/config.json: | $(STAMP)

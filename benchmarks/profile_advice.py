@@ -43,7 +43,7 @@ SETS = {  # name -> (the set's own overrides, the key its bottleneck's advice sh
 # ------------------------------------------------------------------------------------ data sets
 
 def build_video_set(out: Path, clips: int = 14) -> str:
-    from mmrl.data.recipes._common import ShardSink
+    from mmrl.plugins.data.recipes._common import ShardSink
 
     out.mkdir(parents=True)
     record = json.dumps({"prompt": "Which way does the texture move?", "answer": "left", "videos": ["mp4"]}).encode()
@@ -54,7 +54,7 @@ def build_video_set(out: Path, clips: int = 14) -> str:
 
 
 def build_image_set(out: Path) -> str:
-    from mmrl.data.recipes.colors import build
+    from mmrl.plugins.data.recipes.colors import build
 
     info = build(str(out), train_size=16, heldout_size=2, image_size=2048, shard_size=16, image_format="jpg")
     return str(out / info["shards"]["train"])

@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "profiler_overhead.json"))
     args = ap.parse_args()
-    from mmrl.data.recipes.colors import build
+    from mmrl.plugins.data.recipes.colors import build
     from mmrl.utils.paths import repo_relative
 
     results = {}

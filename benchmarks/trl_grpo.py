@@ -49,8 +49,8 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from mmrl.data.stream import load_all
-    from mmrl.rewards.answer import first_word_in
-    from mmrl.rewards.colour import palette, shape_colour
+    from mmrl.plugins.rewards.answer import first_word_in
+    from mmrl.plugins.rewards.colour import palette, shape_colour
 
     words = list(palette())
 

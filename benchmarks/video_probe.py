@@ -94,7 +94,7 @@ def ensure_data(out: Path, train_size: int, heldout_size: int, seed: int) -> dic
         if (info.get("recipe"), a.get("train_size"), a.get("heldout_size"), a.get("seed")) == \
                 ("video_motion", train_size, heldout_size, seed):
             return info
-    from mmrl.data.recipes.video_motion import build
+    from mmrl.plugins.data.recipes.video_motion import build
 
     return build(str(out), train_size=train_size, heldout_size=heldout_size, shard_size=256, seed=seed)
 

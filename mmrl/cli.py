@@ -167,7 +167,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
 
 @_user_value_errors
 def cmd_data_convert(args: argparse.Namespace) -> int:
-    from mmrl.data.convert import convert, format_report
+    from mmrl.plugins.data.convert import convert, format_report
 
     info = convert(args.src, args.out, source_format=args.source_format, media_root=args.media_root,
                    shard_size_mb=args.shard_size_mb, split=args.split, limit=args.limit,

@@ -19,14 +19,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-# Every plugin kind, and the built-in module that registers its defaults on import.
+# Every plugin kind, and the built-in module that registers its defaults on import (the
+# mmrl.plugins.* packages are the repository's top-level processors/, rewards/ and data/).
 KINDS: dict[str, str] = {
-    "processor": "mmrl.processors",
-    "reward": "mmrl.rewards",
+    "processor": "mmrl.plugins.processors",
+    "reward": "mmrl.plugins.rewards",
     "agent_loop": "mmrl.rollout.agent_loops",
     "advantage": "mmrl.algorithms.advantages",
     "policy_loss": "mmrl.algorithms.losses",
-    "dataset": "mmrl.data.recipes",
+    "dataset": "mmrl.plugins.data.recipes",
     "tool": "mmrl.tools",
     "tool_parser": "mmrl.tools.parsers",
 }

@@ -290,12 +290,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mmrl.processors.qwen_vl import QwenVLProcessor
+from mmrl.plugins.processors.qwen_vl import QwenVLProcessor
 from mmrl.registry import register
 
 
 @register("processor", "__NAME__")
 class __CLASS__(QwenVLProcessor):
+    # model_types is not inherited: name this adapter in processor.name. A new family lists its
+    # config.json model_type values here, e.g. model_types = ("my_vlm",), and "auto" picks it.
     SYSTEM_PROMPT = "You are a careful visual assistant. Answer briefly."
 
     def __call__(self, sample):

@@ -30,7 +30,7 @@ from mmrl.data.sample import Sample
 def contract_samples(n: int = 6, root: str | Path | None = None) -> list[Sample]:
     """`n` held-out samples of the colours recipe, written as a real shard and read back through
     the shard stream (decoding included)."""
-    from mmrl.data.recipes.colors import build
+    from mmrl.plugins.data.recipes.colors import build
     from mmrl.data.stream import load_all
 
     with tempfile.TemporaryDirectory(dir=root) as tmp:

@@ -26,7 +26,7 @@ def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def colors_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mmrl.data.recipes.colors import build
+    from mmrl.plugins.data.recipes.colors import build
 
     out = tmp_path_factory.mktemp("colors")
     build(out, train_size=1024, heldout_size=64, shard_size=512, seed=0)

@@ -11,7 +11,7 @@ from PIL import Image
 
 from mmrl.data.sample import Sample, messages_from_prompt
 from mmrl.rewards import RewardSet, call_reward, reward_kwargs, traits_of
-from mmrl.rewards.clip_score import clip_score, load_clip
+from mmrl.plugins.rewards.clip_score import clip_score, load_clip
 from mmrl.rewards.scorer import GroupScorer
 
 

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from _data_media import read_members, read_split
-from mmrl.data.recipes.colors import COLOURS, PROMPT, build, render
+from mmrl.plugins.data.recipes.colors import COLOURS, PROMPT, build, render
 from mmrl.registry import resolve
 
 NAMES = list(COLOURS)

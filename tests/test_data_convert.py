@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from mmrl.cli import main
-from mmrl.data.convert import convert, convert_row
-from mmrl.data.recipes._common import encode_mp4
+from mmrl.plugins.data.convert import convert, convert_row
+from mmrl.plugins.data.recipes._common import encode_mp4
 from mmrl.data.stream import load_all
 
 pa = pytest.importorskip("pyarrow")

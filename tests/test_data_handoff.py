@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from mmrl.data.handoff import PixelRing, RingChunk, _shm_dir, pack, pixel_nbytes, remove_orphan_rings, unpack
-from mmrl.data.recipes.colors import build
+from mmrl.plugins.data.recipes.colors import build
 from mmrl.data.sample import Sample, Video
 from mmrl.data.stream import ShardStream
 

@@ -12,8 +12,8 @@ import pytest
 from _data_media import write_tar
 from mmrl.cli import main
 from mmrl.data.inspect import inspect_shards
-from mmrl.data.recipes.colors import COLOURS, PROMPT
-from mmrl.data.recipes.colors import build as build_colors
+from mmrl.plugins.data.recipes.colors import COLOURS, PROMPT
+from mmrl.plugins.data.recipes.colors import build as build_colors
 
 
 
@@ -89,7 +89,7 @@ def test_model_tokenizer_lengths(shards, tmp_path):
 
 
 def test_video_stats(tmp_path, capsys):
-    from mmrl.data.recipes.video_motion import build
+    from mmrl.plugins.data.recipes.video_motion import build
 
     build(str(tmp_path), train_size=4, heldout_size=0, frames=10, fps=5, width=48, height=32)
     stats = inspect_shards(str(tmp_path))

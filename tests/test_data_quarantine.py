@@ -14,7 +14,7 @@ from _data_media import (ACCEPTED_ODD_IMAGE_SIZES, REFUSED_IMAGE_SIZES, bomb_png
 from mmrl.data.decode import DecodeOptions
 from mmrl.data.quarantine import REASONS
 from mmrl.data.stream import ShardStream, TooManyBadSamples
-from mmrl.processors.qwen_vl import qwen_media_limits
+from mmrl.plugins.processors.qwen_vl import qwen_media_limits
 
 PER_KIND = 5
 # with the limits a Qwen2.5-VL run puts into its stream (checked in the workers)

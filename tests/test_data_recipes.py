@@ -15,11 +15,11 @@ from PIL import Image
 
 from _data_media import read_members, read_split
 from mmrl.cli import main
-from mmrl.data.recipes import counting, grounding, gui_click, multi_image, video_motion
-from mmrl.data.recipes._common import NUMBER_WORDS, SHAPES, ShardSink, tar_file_size
+from mmrl.plugins.data.recipes import counting, grounding, gui_click, multi_image, video_motion
+from mmrl.plugins.data.recipes._common import NUMBER_WORDS, SHAPES, ShardSink, tar_file_size
 from mmrl.data.stream import load_all
 from mmrl.registry import resolve
-from mmrl.rewards.colour import detect_colour
+from mmrl.plugins.rewards.colour import detect_colour
 
 ARGS = {
     "counting": dict(train_size=50, heldout_size=10, shard_size=16, seed=5),
@@ -306,7 +306,7 @@ def test_our_yuv420p_conversion_matches_ffmpeg_and_round_trips():
     under load): luma within 1 of swscale's, and flat colours come back within 2 levels."""
     import av
 
-    from mmrl.data.recipes._common import rgb_to_yuv420p
+    from mmrl.plugins.data.recipes._common import rgb_to_yuv420p
 
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, (2, 32, 48, 3), dtype=np.uint8)
@@ -385,7 +385,7 @@ def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
     import yaml
 
     from mmrl.processors import build_processor
-    from mmrl.rewards.tool_state import tool_success
+    from mmrl.plugins.rewards.tool_state import tool_success
     from mmrl.rollout.agent_loops import AgentContext, ScriptedClient
     from mmrl.rollout.tool_loop import multi_turn
     from mmrl.rollout.types import RequestSampling

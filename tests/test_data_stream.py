@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from _data_media import write_tar
-from mmrl.data.recipes.colors import COLOURS, PROMPT, build
+from mmrl.plugins.data.recipes.colors import COLOURS, PROMPT, build
 from mmrl.data.sample import Sample
 from mmrl.data.stream import (BadSampleError, ShardNotFoundError, ShardStream, decode_sample,
                               expand_urls, load_all)

@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from mmrl.data.recipes._common import ShardSink
+from mmrl.plugins.data.recipes._common import ShardSink
 from mmrl.data.shards import tar_members
 
 MEMBERS = [("a.json", b"{}"), ("d" * 120 + "/k.0.jpg", b"x" * 1000), ("ünï.txt", b"hi"), ("empty.bin", b""),

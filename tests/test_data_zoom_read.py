@@ -23,8 +23,8 @@ import yaml
 from PIL import Image
 
 from _data_media import read_split
-from mmrl.data.recipes import zoom_read
-from mmrl.data.recipes._common import COLOURS
+from mmrl.plugins.data.recipes import zoom_read
+from mmrl.plugins.data.recipes._common import COLOURS
 from mmrl.data.stream import load_all
 from mmrl.registry import resolve
 from mmrl.tools.zoom import ImageZoom
@@ -270,8 +270,8 @@ def test_a_scripted_episode_as_configured_zooms_then_answers(heldout: list, proc
     `bare` parser, two turns), with an engine that writes the cell and then the colour: the loop
     wrote the function name (loss mask 0), the tool turn shows the framed cell, the episode fits
     the token budgets, and the configured rewards score it."""
-    from mmrl.rewards.final_answer import final_answer
-    from mmrl.rewards.tool_state import zoom_on_target
+    from mmrl.plugins.rewards.final_answer import final_answer
+    from mmrl.plugins.rewards.tool_state import zoom_on_target
 
     cfg = config()
     loop_args, rewards = cfg["rollout"]["agent_loop_args"], {r["name"]: r for r in cfg["rewards"]}

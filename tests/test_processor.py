@@ -150,3 +150,24 @@ def test_expanding_the_engine_prompt_gives_the_trainer_prompt(arch: str, tmp_pat
     lone = proc(colors_samples[0]).vllm_input
     with pytest.raises(PromptRejected, match="more vision pads"):
         proc.expand({"prompt_token_ids": lone["prompt_token_ids"]})
+
+
+def test_auto_picks_the_adapter_that_declares_the_model_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """processor.name "auto": the adapter whose own `model_types` lists the model's model_type. A
+    subclass of a built-in does not inherit its model types (it cannot take over "auto" by being
+    imported); two adapters declaring one type is an error that names both."""
+    from mmrl import registry
+    from mmrl.plugins.processors.qwen_vl import QwenVLProcessor
+    from mmrl.processors.base import families
+
+    assert families() == {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl", "llava": "llava"}
+    table = registry._REGISTRY["processor"]
+    quiet = type("WithASystemPrompt", (QwenVLProcessor,), {})
+    monkeypatch.setitem(table, "a_system_prompt", registry.Entry("processor", "a_system_prompt", quiet, "test"))
+    monkeypatch.setitem(table, "qwen_alias", registry.Entry("processor", "qwen_alias", QwenVLProcessor, "test"))
+    # inherited types are not declarations, and the same class under a second name is no rival
+    assert registry.resolve("processor", families()["qwen2_5_vl"]) is QwenVLProcessor
+    rival = type("Rival", (QwenVLProcessor,), {"model_types": ("qwen3_vl",)})
+    monkeypatch.setitem(table, "rival", registry.Entry("processor", "rival", rival, "test"))
+    with pytest.raises(registry.PluginError, match="and 'rival' both declare model_type 'qwen3_vl'"):
+        families()

@@ -54,7 +54,7 @@ def video_shards(tmp_path_factory) -> str:
 def image_shards(tmp_path_factory) -> str:
     """Big JPEGs (2048²) and a processor budget of 4 MP (Qwen2.5-VL's own default is 12.8 MP): the
     processor, and pickling its output, dominate."""
-    from mmrl.data.recipes.colors import build
+    from mmrl.plugins.data.recipes.colors import build
 
     out = tmp_path_factory.mktemp("bigimages")
     info = build(str(out), train_size=16, heldout_size=2, image_size=2048, shard_size=16, image_format="jpg")

@@ -6,7 +6,7 @@ import pytest
 from mmrl import registry
 from mmrl.data.sample import Sample
 from mmrl.rewards import RewardSet, call_reward, reward_kwargs
-from mmrl.rewards.final_answer import final_answer
+from mmrl.plugins.rewards.final_answer import final_answer
 
 
 def _episode(*turns: str | tuple[str, list]) -> list[dict]:

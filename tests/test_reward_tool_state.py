@@ -6,7 +6,7 @@ import pytest
 from mmrl import registry
 from mmrl.data.sample import Sample
 from mmrl.rewards import call_reward, reward_kwargs
-from mmrl.rewards.tool_state import tool_success, zoom_on_target
+from mmrl.plugins.rewards.tool_state import tool_success, zoom_on_target
 
 
 def _transcript(*tool_errors: bool) -> list[dict]:

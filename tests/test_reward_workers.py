@@ -53,7 +53,7 @@ USER_REWARDS = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from mmrl.data.recipes.colors import build
+    from mmrl.plugins.data.recipes.colors import build
     from mmrl.data.stream import load_all
 
     root = tmp_path_factory.mktemp("reward_workers")

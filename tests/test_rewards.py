@@ -17,10 +17,10 @@ from PIL import Image, ImageDraw
 from mmrl.data.sample import Sample, messages_from_prompt
 from mmrl.registry import PluginError, resolve
 from mmrl.rewards import AVAILABLE_KEYS, RewardError, RewardSet, call_reward, reward_kwargs
-from mmrl.rewards.answer import answer_match
-from mmrl.rewards.colour import detect_colour, shape_colour
+from mmrl.plugins.rewards.answer import answer_match
+from mmrl.plugins.rewards.colour import detect_colour, shape_colour
 
-# The palette of mmrl/data/recipes/colors.py (written here so a palette change is a visible diff).
+# The palette of data/recipes/colors.py (written here so a palette change is a visible diff).
 PALETTE = {
     "red": (220, 30, 30),
     "green": (30, 170, 40),
@@ -197,7 +197,7 @@ def test_shape_colour_survives_jpeg_and_modes() -> None:
 
 
 def test_shape_colour_matches_the_recipe() -> None:
-    colors = pytest.importorskip("mmrl.data.recipes.colors")
+    colors = pytest.importorskip("mmrl.plugins.data.recipes.colors")
     assert colors.COLOURS == PALETTE
     rng = np.random.default_rng(0)
     for i in range(240):
@@ -308,7 +308,7 @@ def test_reward_set_propagates_reward_errors_with_name(tmp_path) -> None:
 
 
 def test_tool_success_reads_the_environment_state_not_the_text() -> None:
-    from mmrl.rewards.tool_state import tool_success
+    from mmrl.plugins.rewards.tool_state import tool_success
 
     called = [{"role": "assistant", "content": "click 1 0", "tool_calls": [{"name": "click", "arguments": {}}]},
               {"role": "tool", "name": "click", "content": "opened menu 'File'", "error": False}]

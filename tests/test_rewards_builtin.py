@@ -11,14 +11,14 @@ from PIL import Image
 from mmrl.data.sample import Sample, messages_from_prompt
 from mmrl.registry import resolve
 from mmrl.rewards import RewardSet, call_reward, reward_kwargs
-from mmrl.rewards.choice import extract_choice, multiple_choice
-from mmrl.rewards.counting import counting, first_count
-from mmrl.rewards.format_tags import format_tags
-from mmrl.rewards.grounding import box_iou_giou, grounding_iou, parse_boxes
-from mmrl.rewards.math_answer import extract_final_answer, math_answer, parse_number, verifier_available
-from mmrl.rewards.ocr import levenshtein, ocr_edit_distance
-from mmrl.rewards.overlong import dapo_overlong
-from mmrl.rewards.temporal import interval_iou, parse_interval, temporal_iou
+from mmrl.plugins.rewards.choice import extract_choice, multiple_choice
+from mmrl.plugins.rewards.counting import counting, first_count
+from mmrl.plugins.rewards.format_tags import format_tags
+from mmrl.plugins.rewards.grounding import box_iou_giou, grounding_iou, parse_boxes
+from mmrl.plugins.rewards.math_answer import extract_final_answer, math_answer, parse_number, verifier_available
+from mmrl.plugins.rewards.ocr import levenshtein, ocr_edit_distance
+from mmrl.plugins.rewards.overlong import dapo_overlong
+from mmrl.plugins.rewards.temporal import interval_iou, parse_interval, temporal_iou
 
 HUGE = "blue " * 20_000 + "@@##!!"  # 100,006 characters
 GARBAGE = ["", "   ", "@@##!!", "\x00\x01\ufffd", "}{][)(", HUGE]
@@ -230,7 +230,7 @@ def test_grounding_degenerate_garbage_and_huge() -> None:
 
 
 def test_grounding_on_the_recipe_sample_through_a_reward_set() -> None:
-    from mmrl.data.recipes.grounding import draw, prompt_for
+    from mmrl.plugins.data.recipes.grounding import draw, prompt_for
 
     pixels, info = draw("circle", np.random.default_rng(0))
     sample = Sample(key="g0", messages=messages_from_prompt(prompt_for("circle"), n_images=1),

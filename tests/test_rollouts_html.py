@@ -327,7 +327,7 @@ def test_a_gui_click_training_run_logs_rollouts_the_browser_shows(tiny_model_dir
     screenshots reach the trainer, the steps log rollouts, `mmrl report` renders rollouts.html,
     and headless Chromium shows every screenshot without an error."""
     from mmrl.cli import main
-    from mmrl.data.recipes import gui_click
+    from mmrl.plugins.data.recipes import gui_click
 
     repo = Path(__file__).resolve().parents[1]
     data, run_dir = tmp_path / "gui_click", tmp_path / "run"

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mmrl.config.schema import DecodeConfig
 from mmrl.data.decode import DecodeOptions
-from mmrl.data.recipes import video_motion
+from mmrl.plugins.data.recipes import video_motion
 from mmrl.data.stream import load_all
 from mmrl.processors import build_processor
 

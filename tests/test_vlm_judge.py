@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mmrl.rewards import traits_of
-from mmrl.rewards.vlm_judge import DEFAULT_RUBRIC, parse_score, vlm_judge
+from mmrl.plugins.rewards.vlm_judge import DEFAULT_RUBRIC, parse_score, vlm_judge
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -358,7 +358,7 @@ def build_tiny_vlm(arch: str, out_dir: str | Path, *, words: Sequence[str] = DEF
         ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
     model.save_pretrained(out)
     if llava:
-        from mmrl.processors.llava import LlavaProcessor
+        from mmrl.plugins.processors.llava import LlavaProcessor
 
         LlavaProcessor.finish_saved_model(out)
     _processor(arch, sizes, tokenizer).save_pretrained(out)

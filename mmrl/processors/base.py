@@ -69,6 +69,10 @@ class ProcessorAdapter:
     """Base class of adapters: the class-level hooks the trainer ranks use. Override both for a
     family whose vision tower is not called as below."""
 
+    # The model_type values (a model's config.json) this adapter serves: processor.name "auto"
+    # picks the adapter by them, so a new family is one file that sets this.
+    model_types: tuple[str, ...] = ()
+
     @staticmethod
     def runs_vision(mm_inputs: dict[str, torch.Tensor]) -> bool:
         """Whether a forward with these inputs runs the vision tower (HF's pixel_values* names)."""
@@ -112,13 +116,20 @@ def float_tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-# model_type (from the model's config.json) -> registered processor name
-FAMILIES: dict[str, str] = {
-    "qwen2_vl": "qwen_vl",
-    "qwen2_5_vl": "qwen_vl",
-    "qwen3_vl": "qwen_vl",
-    "llava": "llava",
-}
+def families() -> dict[str, str]:
+    """model_type (from a model's config.json) -> the registered adapter that declares it in its
+    own `model_types` (built-ins, entry points, adapters registered by an imported module). A
+    subclass does not inherit its parent's model types, so it never takes over "auto" by accident;
+    two adapters declaring one model type is an error that names both."""
+    found: dict[str, registry.Entry] = {}
+    for entry in registry.entries("processor"):
+        for model_type in vars(entry.obj).get("model_types", ()) if isinstance(entry.obj, type) else ():
+            first = found.setdefault(model_type, entry)
+            if first.obj is not entry.obj:  # the same class under a second name is no conflict
+                raise registry.PluginError(
+                    f"processor adapters {first.name!r} and {entry.name!r} both declare model_type "
+                    f"{model_type!r} in model_types; keep it in one of them, or set processor.name in the config")
+    return {model_type: entry.name for model_type, entry in found.items()}
 
 
 def build_processor(name: str, model_path: str, **kwargs: Any) -> Any:
@@ -132,11 +143,13 @@ def processor_class(name: str, model_path: str, trust_remote_code: bool = False)
         from transformers import AutoConfig
 
         model_type = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).model_type
-        if model_type not in FAMILIES:
+        known = families()
+        if model_type not in known:
             raise registry.PluginError(
                 f"no processor adapter for model_type {model_type!r} (model {model_path}); supported: "
-                f"{', '.join(FAMILIES)}. Set processor.name to a registered adapter or 'module:Class'.")
-        name = FAMILIES[model_type]
+                f"{', '.join(known)}. Set processor.name to a registered adapter or 'module:Class', "
+                f"or declare the model_type in an adapter's `model_types`.")
+        name = known[model_type]
     return registry.resolve("processor", name)
 
 

@@ -263,7 +263,7 @@ def build_dataset(out_dir: str, *, train_size: int = 1024, heldout_size: int = 1
                   shard_size: int = 1024, seed: int = 0) -> dict[str, Any]:
     """A dataset recipe (`build(out_dir, **options) -> manifest`): DIR/corpus.jsonl and train /
     held-out shards of distinct questions whose metadata["corpus"] is "corpus.jsonl"."""
-    from mmrl.data.recipes._common import (SPLITS, ShardSink, brace, check_sizes, clean_out_dir,
+    from mmrl.plugins.data.recipes._common import (SPLITS, ShardSink, brace, check_sizes, clean_out_dir,
                                            record_bytes, write_manifest)
 
     check_sizes(train_size, heldout_size, shard_size)

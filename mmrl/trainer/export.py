@@ -76,8 +76,9 @@ def export_checkpoint(path: str | Path, out: str | Path, dtype: str | None = Non
         if f.is_file() and not (out / f.name).exists():
             shutil.copy2(f, out / f.name)
     from mmrl import registry
-    from mmrl.processors.base import FAMILIES
+    from mmrl.processors.base import families
 
-    if config.model_type in FAMILIES:  # the engine must load the export (the family's adapter fixes names)
-        registry.resolve("processor", FAMILIES[config.model_type]).finish_saved_model(out)
+    known = families()
+    if config.model_type in known:  # the engine must load the export (the family's adapter fixes names)
+        registry.resolve("processor", known[config.model_type]).finish_saved_model(out)
     return out

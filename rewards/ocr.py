@@ -14,7 +14,7 @@ import unicodedata
 from typing import Any
 
 from mmrl.registry import register
-from mmrl.rewards._text import answer_span, as_text
+from mmrl.plugins.rewards._text import answer_span, as_text
 
 __all__ = ["ocr_edit_distance", "levenshtein", "normalise_ocr"]
 

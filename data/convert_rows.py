@@ -1,5 +1,5 @@
 """One source row -> one mmrl sample (the JSON record and its media members), for `mmrl data
-convert` (mmrl/data/convert.py documents the column conventions). A row that cannot be converted
+convert` (data/convert.py documents the column conventions). A row that cannot be converted
 raises RowError with a short reason for the report."""
 from __future__ import annotations
 

@@ -31,6 +31,8 @@ def _under_vision_model(name: str, tower: str) -> str:
 class LlavaProcessor(ProcessorAdapter):
     """Adapter for LLaVA: images at the vision tower's fixed resolution, 1-D positions."""
 
+    model_types = ("llava",)
+
     def __init__(self, model_path: str, *, min_pixels: int | None = None, max_pixels: int | None = None,
                  max_prompt_tokens: int = 1024, trust_remote_code: bool = False):
         if min_pixels is not None or max_pixels is not None:

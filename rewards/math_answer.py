@@ -22,7 +22,7 @@ import threading
 from typing import Any
 
 from mmrl.registry import register
-from mmrl.rewards._text import MAX_CHARS, answer_span, as_text, tail
+from mmrl.plugins.rewards._text import MAX_CHARS, answer_span, as_text, tail
 
 __all__ = ["math_answer", "extract_final_answer", "parse_number", "number_values", "verifier_available"]
 

@@ -17,8 +17,8 @@ import re
 from typing import Any, Mapping, Sequence
 
 from mmrl.registry import register
-from mmrl.rewards._text import MAX_CHARS, answer_span, as_text, tail
-from mmrl.rewards.answer import normalise_text
+from mmrl.plugins.rewards._text import MAX_CHARS, answer_span, as_text, tail
+from mmrl.plugins.rewards.answer import normalise_text
 
 __all__ = ["multiple_choice", "extract_choice", "normalise_choices"]
 

@@ -14,8 +14,8 @@ import re
 from typing import Any
 
 from mmrl.registry import register
-from mmrl.rewards._text import MAX_CHARS, answer_span, head
-from mmrl.rewards.answer import first_word, normalise_text
+from mmrl.plugins.rewards._text import MAX_CHARS, answer_span, head
+from mmrl.plugins.rewards.answer import first_word, normalise_text
 
 _MARKER = re.compile(r"<\|[^|<>]*\|>")  # special-token text such as <|im_end|>, if a turn kept it
 

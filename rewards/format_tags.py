@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from mmrl.registry import register
-from mmrl.rewards._text import as_text
+from mmrl.plugins.rewards._text import as_text
 
 __all__ = ["format_tags", "find_blocks"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mmrl.data.recipes._common import (COLOURS, NUMBER_WORDS, SHAPES, background, build_splits,
+from mmrl.plugins.data.recipes._common import (COLOURS, NUMBER_WORDS, SHAPES, background, build_splits,
                                        encode_image, finish, jittered, normalise_image_format,
                                        paint, place_squares)
 from mmrl.registry import register

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from mmrl.registry import register
-from mmrl.rewards.answer import first_word
+from mmrl.plugins.rewards.answer import first_word
 
 __all__ = ["shape_colour", "detect_colour", "palette"]
 
@@ -24,7 +24,7 @@ _MIN_FRACTION = 0.002  # fewer shape pixels than this: fall back to the most sat
 
 def palette() -> Mapping[str, tuple[int, int, int]]:
     """The palette of the `colors` recipe (imported lazily: rewards must not pull in recipes)."""
-    from mmrl.data.recipes.colors import COLOURS
+    from mmrl.plugins.data.recipes.colors import COLOURS
     return COLOURS
 
 

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any, Iterable, Iterator
 
-from mmrl.data.convert_rows import RowError
+from mmrl.plugins.data.convert_rows import RowError
 
 # ------------------------------------------------------------------------------------ sources
 

@@ -14,7 +14,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from mmrl.registry import register
-from mmrl.rewards._text import MAX_CHARS, answer_span, as_text, head
+from mmrl.plugins.rewards._text import MAX_CHARS, answer_span, as_text, head
 
 __all__ = ["temporal_iou", "parse_interval", "interval_iou"]
 

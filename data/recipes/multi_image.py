@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mmrl.data.recipes._common import (COLOURS, SHAPES, background, build_splits, encode_image,
+from mmrl.plugins.data.recipes._common import (COLOURS, SHAPES, background, build_splits, encode_image,
                                        finish, jittered, normalise_image_format, paint)
 from mmrl.registry import register
 

@@ -115,6 +115,8 @@ def qwen_media_limits(model_type: str) -> MediaLimits:
 class QwenVLProcessor(ProcessorAdapter):
     """Adapter for the Qwen-VL families: image, multi-image, video and mixed prompts."""
 
+    model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
     @staticmethod
     def dummy_vision_output(model: Any) -> torch.Tensor:
         """The tower on the smallest grid (one merged token) of zero pixels."""

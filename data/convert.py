@@ -38,10 +38,10 @@ import re
 from collections import Counter
 from typing import Any, Iterable
 
-from mmrl.data.convert_rows import MAX_EXAMPLES, SOURCE_FORMATS, RowError, convert_row
-from mmrl.data.convert_sources import (arrow_media_columns, hf_arrow_files, hf_splits, iter_arrow, iter_jsonl,
+from mmrl.plugins.data.convert_rows import MAX_EXAMPLES, SOURCE_FORMATS, RowError, convert_row
+from mmrl.plugins.data.convert_sources import (arrow_media_columns, hf_arrow_files, hf_splits, iter_arrow, iter_jsonl,
                                        iter_parquet, source_files)
-from mmrl.data.recipes._common import ShardSink, brace, clean_out_dir, record_bytes, write_manifest
+from mmrl.plugins.data.recipes._common import ShardSink, brace, clean_out_dir, record_bytes, write_manifest
 
 __all__ = ["convert", "convert_row", "format_report", "RowError", "SOURCE_FORMATS"]
 

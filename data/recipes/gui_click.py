@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mmrl.data.recipes._common import build_splits
+from mmrl.plugins.data.recipes._common import build_splits
 from mmrl.registry import register
 from mmrl.tools.gui import DesktopSpec, GuiTask, expert_actions, render_screen
 

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmrl.data.recipes._common import (COLOURS, build_splits, encode_image, finish, jittered,
+from mmrl.plugins.data.recipes._common import (COLOURS, build_splits, encode_image, finish, jittered,
                                        normalise_image_format, paint)
-from mmrl.data.recipes._common import background as _background
+from mmrl.plugins.data.recipes._common import background as _background
 from mmrl.registry import register
 
 __all__ = ["COLOURS", "PROMPT", "SHAPES", "build", "render"]

@@ -16,7 +16,7 @@ import functools
 import math
 from typing import Any, Sequence
 
-from mmrl.rewards._text import answer_span, head
+from mmrl.plugins.rewards._text import answer_span, head
 from mmrl.rewards.variants import reward
 
 __all__ = ["clip_score", "load_clip", "NORMALISATIONS"]

@@ -29,7 +29,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from mmrl.rewards._text import as_text, head, tail
+from mmrl.plugins.rewards._text import as_text, head, tail
 from mmrl.rewards.variants import reward
 
 __all__ = ["vlm_judge", "parse_score", "load_judge", "DEFAULT_RUBRIC"]

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from mmrl.data.recipes._common import (COLOURS, background, build_splits, encode_image, finish, jittered,
+from mmrl.plugins.data.recipes._common import (COLOURS, background, build_splits, encode_image, finish, jittered,
                                        normalise_image_format)
 from mmrl.registry import register
 

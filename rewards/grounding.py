@@ -26,7 +26,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from mmrl.registry import register
-from mmrl.rewards._text import MAX_CHARS, NUMBER, answer_span, as_text, head
+from mmrl.plugins.rewards._text import MAX_CHARS, NUMBER, answer_span, as_text, head
 
 __all__ = ["grounding_iou", "parse_boxes", "box_iou_giou", "COORD_FRAMES"]
 

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from mmrl.registry import register
-from mmrl.rewards._text import MAX_CHARS, answer_span, as_text, head
+from mmrl.plugins.rewards._text import MAX_CHARS, answer_span, as_text, head
 
 __all__ = ["counting", "NUMBER_WORDS", "first_count", "parse_count"]
 
