@@ -56,7 +56,52 @@ def init_local_ray(**ray_init_kwargs: object) -> None:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(**ray_init_kwargs)
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        before = ray_sessions()
+        try:
+            ray.init(**ray_init_kwargs)
+            return
+        except Exception as e:
+            if RAY_START_TIMEOUT not in str(e) or attempt == RAY_START_ATTEMPTS:
+                raise
+            killed = kill_session_processes(ray_sessions() - before)
+            print(f"[mmrl] Ray's node did not register within Ray's fixed 30 s start window (a busy machine); "
+                  f"stopped the {killed} process(es) it had started, retrying ({attempt}/{RAY_START_ATTEMPTS - 1})",
+                  file=sys.stderr)
+
+
+# Ray 2.60 gives a starting node a fixed 30 s to register with its GCS (node.py; no setting), and
+# on a loaded 2-core machine the raylet can take longer. The failed start leaves its GCS and
+# raylet running with no owner: they are stopped before the next try.
+RAY_START_ATTEMPTS = 3
+RAY_START_TIMEOUT = "timed out during startup"
+
+
+def ray_sessions() -> set[str]:
+    """Names of the Ray session folders on this machine (session_<date>_<pid>)."""
+    from ray._common.utils import get_default_ray_temp_dir  # where ray.init puts them by default
+
+    root = Path(os.environ.get("RAY_TMPDIR") or get_default_ray_temp_dir())
+    return {p.name for p in root.glob("session_2*")} if root.is_dir() else set()
+
+
+def kill_session_processes(sessions: set[str]) -> int:
+    """SIGKILL this user's processes whose command line names one of `sessions`; how many."""
+    import psutil
+
+    killed = 0
+    if not sessions:
+        return killed
+    for proc in psutil.process_iter(["cmdline", "uids"]):
+        try:
+            if proc.pid == os.getpid() or proc.info["uids"].real != os.getuid():
+                continue
+            if any(name in arg for arg in proc.info["cmdline"] or () for name in sessions):
+                proc.kill()
+                killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return killed
 
 
 STALE_BUILD_LOCK_S = 600.0  # DeepSpeed's CPU ops build in about a minute
