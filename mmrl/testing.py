@@ -108,9 +108,21 @@ def check_processor(spec: Any, model_dir: str | Path, samples: Sequence[Sample] 
     engine_ids = out.vllm_input["prompt_token_ids"]
     pad = proc.image_token_id
     assert engine_ids.count(pad) == len(sample.images), "the engine gets one placeholder per image"
-    assert [t for t in out.prompt_ids if t != pad] == [t for t in engine_ids if t != pad], \
-        "the engine's and the trainer's prompts differ outside the image placeholders"
     assert out.prompt_ids.count(pad) >= len(sample.images), "the trainer's prompt has the expanded placeholders"
+    if hasattr(proc, "expand_traced"):  # the exact map from engine tokens to trainer tokens
+        expanded, source = proc.expand_traced(out.vllm_input)
+        assert expanded.prompt_ids == out.prompt_ids, "expand_traced(engine prompt) must give the trainer's prompt"
+        assert source == sorted(source), "the trainer's tokens keep the engine's order"
+        for i, tok in enumerate(engine_ids):
+            mine = [out.prompt_ids[j] for j, s in enumerate(source) if s == i]
+            if tok == pad:
+                assert pad in mine, f"engine placeholder {i} expands to no image token"
+            else:  # kept as it is, or (a frame token beside a placeholder) part of that block's expansion
+                absorbed = not mine and pad in engine_ids[max(i - 1, 0):i + 2]
+                assert mine == [tok] or absorbed, f"engine token {i} ({tok}) became {mine}"
+    else:  # families that expand the placeholder alone (no frame tokens around it)
+        assert [t for t in out.prompt_ids if t != pad] == [t for t in engine_ids if t != pad], \
+            "the engine's and the trainer's prompts differ outside the image placeholders"
     assert all(t in proc.forbidden_token_ids for t in (proc.image_token_id, proc.video_token_id) if t is not None), \
         "vision placeholder tokens must be in forbidden_token_ids (the policy must never sample them)"
     assert isinstance(proc.decode(out.prompt_ids[:4]), str)

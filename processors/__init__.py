@@ -5,4 +5,4 @@ that lists the model_type values it serves in `model_types` (processor.name "aut
 them). The contract every adapter meets is in mmrl/processors/base.py; `mmrl new processor NAME`
 writes a starting point with its contract test.
 """
-from mmrl.plugins.processors import llava, qwen_vl  # noqa: F401  (register "llava", "qwen_vl")
+from mmrl.plugins.processors import internvl, llava, qwen_vl  # noqa: F401  (register the adapters)

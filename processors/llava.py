@@ -32,19 +32,20 @@ class LlavaProcessor(ProcessorAdapter):
     """Adapter for LLaVA: images at the vision tower's fixed resolution, 1-D positions."""
 
     model_types = ("llava",)
+    family = "LLaVA"  # for messages; families built like LLaVA subclass this adapter
 
     def __init__(self, model_path: str, *, min_pixels: int | None = None, max_pixels: int | None = None,
                  max_prompt_tokens: int = 1024, trust_remote_code: bool = False):
         if min_pixels is not None or max_pixels is not None:
-            raise ValueError("processor.min_pixels / max_pixels: LLaVA resizes every image to its vision tower's "
-                             "fixed resolution; leave them null for this model")
+            raise ValueError(f"processor.min_pixels / max_pixels: {self.family} sizes images for its vision tower's "
+                             f"fixed resolution (the model's preprocessor_config.json); leave them null for this model")
         self.model_path = model_path
         self.hf = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.tokenizer = self.hf.tokenizer
         self.max_prompt_tokens = max_prompt_tokens
-        # CLIP's processor resizes and centre-crops any image: nothing to refuse but a 0-pixel side
-        self.media_limits = MediaLimits(owner="the llava processor")
+        # the processor resizes (and crops or tiles) any image: nothing to refuse but a 0-pixel side
+        self.media_limits = MediaLimits(owner=f"the {self.family} processor")
         tok = self.tokenizer
         self.image_token_id = int(self.config.image_token_id)
         self.image_token = tok.convert_ids_to_tokens(self.image_token_id)
@@ -57,8 +58,9 @@ class LlavaProcessor(ProcessorAdapter):
     def dummy_vision_output(model: Any) -> torch.Tensor:
         """The tower on one zero image at its input resolution."""
         vision = model.config.vision_config
-        pixels = torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size,
-                             dtype=next(model.parameters()).dtype)
+        side = vision.image_size  # an int, or (height, width)
+        height, width = (side, side) if isinstance(side, int) else side
+        pixels = torch.zeros(1, vision.num_channels, height, width, dtype=next(model.parameters()).dtype)
         return sum(t.float().sum() for t in float_tensors(model.get_image_features(pixel_values=pixels)))
 
     @staticmethod
@@ -89,7 +91,7 @@ class LlavaProcessor(ProcessorAdapter):
 
     def __call__(self, sample: Sample) -> ProcessedPrompt:
         if sample.videos:
-            raise PromptRejected("LLaVA takes images only; this sample has a video")
+            raise PromptRejected(f"{self.family} takes images only here; this sample has a video")
         text = self.hf.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=False)
         # add_special_tokens=False: the template text has them already (the engine's ids agree)
         enc = self.hf(text=[text], images=sample.images or None, return_tensors="pt", add_special_tokens=False)
@@ -113,13 +115,13 @@ class LlavaProcessor(ProcessorAdapter):
         return self.expand_traced(vllm_input)[0]
 
     def expand_traced(self, vllm_input: dict[str, Any]) -> tuple[ProcessedPrompt, list[int]]:
-        """The trainer's view of an engine prompt (one `<image>` per image, the raw images): each
+        """The trainer's view of an engine prompt (one placeholder per image, the raw images): each
         placeholder expanded as the processor expands it, and per trainer token the index of the
         engine token it stands for (see QwenVLProcessor.expand_traced)."""
         ids = list(vllm_input["prompt_token_ids"])
         media = vllm_input.get("multi_modal_data") or {}
         if media.get("video"):
-            raise PromptRejected("LLaVA takes images only")
+            raise PromptRejected(f"{self.family} takes images only here")
         images = iter(media_list(media.get("image")))
         out_ids: list[int] = []
         source: list[int] = []
@@ -131,14 +133,14 @@ class LlavaProcessor(ProcessorAdapter):
                 continue
             image = next(images, None)
             if image is None:
-                raise PromptRejected("the prompt has more <image> tokens than multi_modal_data has images")
+                raise PromptRejected(f"the prompt has more {self.image_token} tokens than multi_modal_data has images")
             enc = self.hf(text=[self.image_token], images=[image], return_tensors="pt", add_special_tokens=False)
             expanded = enc["input_ids"][0].tolist()
             out_ids += expanded
             source += [i] * len(expanded)
             pixels.append(torch.as_tensor(enc["pixel_values"]))
         if next(images, None) is not None:
-            raise PromptRejected("multi_modal_data has more images than the prompt has <image> tokens")
+            raise PromptRejected(f"multi_modal_data has more images than the prompt has {self.image_token} tokens")
         mm_inputs = {"pixel_values": torch.cat(pixels)} if pixels else {}
         return self._prompt("", vllm_input, out_ids, mm_inputs), source
 

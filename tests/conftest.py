@@ -25,6 +25,13 @@ def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_internvl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mmrl.models.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm("internvl", tmp_path_factory.mktemp("tiny") / "internvl", seed=0)
+
+
+@pytest.fixture(scope="session")
 def colors_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mmrl.plugins.data.recipes.colors import build
 

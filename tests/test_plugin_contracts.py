@@ -155,7 +155,7 @@ def test_a_multi_turn_loop_from_a_file(engine_for_loops: dict, colors_samples: l
 
 
 # The model folder each adapter is checked on (a fixture that builds it locally).
-PROCESSOR_MODELS = {"llava": "tiny_llava_dir"}
+PROCESSOR_MODELS = {"llava": "tiny_llava_dir", "internvl": "tiny_internvl_dir"}
 
 
 @pytest.mark.parametrize("name", _names("processor"))
@@ -170,6 +170,13 @@ def test_processor_contract(name: str, colors_samples: list, request: pytest.Fix
         out = proc(colors_samples[0])
         assert out.prompt_ids.count(proc.image_token_id) == 16 and out.positions_AP.shape == (1, len(out.prompt_ids))
         assert proc.expand(out.vllm_input).prompt_ids == out.prompt_ids
+    if name == "internvl":  # a 56-px image is one tile of 4 tokens, framed by <img> ... </img>
+        out = proc(colors_samples[0])
+        start, end = (proc.tokenizer.convert_tokens_to_ids(t) for t in ("<img>", "</img>"))
+        i = out.prompt_ids.index(start)
+        assert out.prompt_ids[i:i + 6] == [start] + [proc.image_token_id] * 4 + [end]
+        assert out.positions_AP.shape == (1, len(out.prompt_ids)) and list(out.mm_inputs) == ["pixel_values"]
+        assert {start, end, proc.image_token_id} <= set(proc.forbidden_token_ids)
 
 
 @pytest.mark.parametrize("name", _names("dataset"))

@@ -160,7 +160,8 @@ def test_auto_picks_the_adapter_that_declares_the_model_type(monkeypatch: pytest
     from mmrl.plugins.processors.qwen_vl import QwenVLProcessor
     from mmrl.processors.base import families
 
-    assert families() == {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl", "llava": "llava"}
+    assert families() == {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl", "llava": "llava",
+                          "internvl": "internvl"}
     table = registry._REGISTRY["processor"]
     quiet = type("WithASystemPrompt", (QwenVLProcessor,), {})
     monkeypatch.setitem(table, "a_system_prompt", registry.Entry("processor", "a_system_prompt", quiet, "test"))

@@ -51,7 +51,8 @@ def test_round_trip_forward(arch: str, tmp_path: Path) -> None:
     assert text.endswith("<|im_start|>assistant\n")
     enc = processor(text=[text], images=[_image()], return_tensors="pt")
     image_pad = model.config.image_token_id
-    # Qwen: 56x56 -> 2x2 merged patches; LLaVA: 4x4 CLIP patches of 14 (the CLS token dropped)
+    # Qwen: 56x56 -> 2x2 merged patches; LLaVA: 4x4 CLIP patches of 14 (the CLS token dropped);
+    # InternVL: one 56-px tile, 4x4 patches pixel-shuffled to 2x2
     assert int((enc["input_ids"] == image_pad).sum()) == (16 if arch == "llava" else 4)
     with torch.no_grad():
         logits = model(**enc).logits

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "internvl")
 QWEN_ARCHS = ARCHS[:3]
 
 # Answer words of the built-in tasks. Each must be ONE token ("red", " red", "Red") so a reward
@@ -41,6 +41,12 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 
 # LLaVA adds its image placeholder (expanded by its processor to one token per vision patch).
 LLAVA_IMAGE_TOKEN = "<image>"
+
+# InternVL's image tokens: the template writes one <IMG_CONTEXT> per image, the processor (and
+# vLLM) expand it to <img> + <IMG_CONTEXT> x (tokens per tile x tiles) + </img>. Its processor
+# finds them by these names on the tokenizer; vLLM also needs <video> to be one token.
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                   "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
 
 # Qwen2's pre-tokenizer split: words keep their leading space/punctuation, digits split singly.
 QWEN_PRETOKENIZE_REGEX = (
@@ -78,6 +84,13 @@ CHAT_TEMPLATE = "".join([
 # LLaVA's template: the same chat format, one <image> per image (its processor expands it).
 LLAVA_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", LLAVA_IMAGE_TOKEN)
 LLAVA_IMAGE_SIDE = 56  # pixels: CLIP's fixed input, 4 x 4 patches of 14 -> 16 image tokens
+
+# InternVL's template writes its placeholder and a newline, as the released -hf templates do.
+INTERNVL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n").replace(
+    "<|vision_start|><|video_pad|><|vision_end|>", "<video>\n")
+INTERNVL_TILE_SIDE = 56  # pixels per tile: 4 x 4 patches of 14, pixel-shuffled to 2 x 2 = 4 tokens
+INTERNVL_MAX_TILES = 4  # tiles per image at most (plus a thumbnail when there are several)
 
 # Text that looks like the prompts and answers the tokenizer will see, so that BPE spends its
 # merges on them (short prompts -> short sequences -> fast tests).
@@ -164,6 +177,7 @@ def _word_forms(words: Sequence[str]) -> list[str]:
 
 def build_tokenizer(out_dir: str | Path, words: Sequence[str] = DEFAULT_WORDS,
                     vocab_size: int = 512, special_tokens: Sequence[str] = SPECIAL_TOKENS,
+                    extra_special_tokens: dict[str, str] | None = None,
                     chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """Train a tiny Qwen-style tokenizer, save it to `out_dir`, and return it.
 
@@ -197,6 +211,7 @@ def build_tokenizer(out_dir: str | Path, words: Sequence[str] = DEFAULT_WORDS,
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
         chat_template=chat_template,
+        extra_special_tokens=extra_special_tokens or {},
     )
     bad = [f for f in forms if len(hf_tok.encode(f, add_special_tokens=False)) != 1]
     if bad:  # cannot happen unless the tokenizers library changes its BPE
@@ -251,6 +266,17 @@ def _config(arch: str, s: _Sizes, ids: dict[str, int], vocab_size: int) -> Any:
             text_config=transformers.Qwen2Config(**text), vision_config=clip, image_token_id=ids[LLAVA_IMAGE_TOKEN],
             vision_feature_select_strategy="default", vision_feature_layer=-1, projector_hidden_act="gelu",
             tie_word_embeddings=False)
+    if arch == "internvl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
+        tower = transformers.InternVLVisionConfig(
+            hidden_size=s.vision_hidden, intermediate_size=2 * s.vision_hidden, num_hidden_layers=s.vision_depth,
+            num_attention_heads=s.vision_heads, image_size=INTERNVL_TILE_SIDE, patch_size=s.patch_size)
+        # the last layer, CLS dropped: what vLLM's InternVL always does (no setting there)
+        return transformers.InternVLConfig(
+            text_config=transformers.Qwen2Config(**text), vision_config=tower,
+            image_token_id=ids[INTERNVL_TOKENS["context_image_token"]], image_seq_length=_internvl_tokens_per_tile(s),
+            downsample_ratio=0.5, vision_feature_layer=-1, vision_feature_select_strategy="default",
+            tie_word_embeddings=False)
     if arch == "qwen2_vl":
         cls = transformers.Qwen2VLConfig
         # Qwen2-VL names the vision width embed_dim and its output width hidden_size
@@ -277,9 +303,22 @@ def _config(arch: str, s: _Sizes, ids: dict[str, int], vocab_size: int) -> Any:
     )
 
 
+def _internvl_tokens_per_tile(s: _Sizes) -> int:
+    """(tile side / patch)^2 patches, pixel-shuffled by 0.5 in each direction."""
+    return (INTERNVL_TILE_SIDE // s.patch_size // 2) ** 2
+
+
 def _processor(arch: str, s: _Sizes, tokenizer: PreTrainedTokenizerFast) -> Any:
     """Image + video processor with a tiny pixel budget, bundled with the tokenizer."""
     import transformers
+
+    if arch == "internvl":
+        tile = {"height": INTERNVL_TILE_SIDE, "width": INTERNVL_TILE_SIDE}
+        image_proc = transformers.GotOcr2ImageProcessor(size=tile, crop_to_patches=True, min_patches=1,
+                                                        max_patches=INTERNVL_MAX_TILES)
+        return transformers.InternVLProcessor(
+            image_processor=image_proc, tokenizer=tokenizer, video_processor=transformers.InternVLVideoProcessor(size=tile),
+            image_seq_length=_internvl_tokens_per_tile(s), chat_template=INTERNVL_CHAT_TEMPLATE)
 
     if arch == "llava":
         image_proc = transformers.CLIPImageProcessor(size={"shortest_edge": LLAVA_IMAGE_SIDE},
@@ -309,7 +348,7 @@ def build_tiny_vlm(arch: str, out_dir: str | Path, *, words: Sequence[str] = DEF
                    seed: int = 0, hidden_size: int = 128, num_layers: int = 2, vision_depth: int = 1,
                    image_min_pixels: int | None = None, image_max_pixels: int | None = None,
                    dtype: str = "float32") -> Path:
-    """Build a tiny random Qwen-VL (`arch` in ARCHS) with its processor into `out_dir`.
+    """Build a tiny random VLM (`arch` in ARCHS: the Qwen-VL families, LLaVA, InternVL) with its processor into `out_dir`.
 
     Weights come from `seed` alone (the global torch RNG is left untouched). The default pixel
     budget is 4..64 merged patches, so a 56x56 image costs 4 image tokens. Returns the folder.
@@ -341,9 +380,12 @@ def build_tiny_vlm(arch: str, out_dir: str | Path, *, words: Sequence[str] = DEF
 
     out = Path(out_dir)
     llava = arch == "llava"
-    specials = (*SPECIAL_TOKENS, LLAVA_IMAGE_TOKEN) if llava else SPECIAL_TOKENS
-    tokenizer = build_tokenizer(out, words, special_tokens=specials,
-                                chat_template=LLAVA_CHAT_TEMPLATE if llava else CHAT_TEMPLATE)
+    specials, named, template = SPECIAL_TOKENS, None, CHAT_TEMPLATE
+    if llava:
+        specials, template = (*SPECIAL_TOKENS, LLAVA_IMAGE_TOKEN), LLAVA_CHAT_TEMPLATE
+    elif arch == "internvl":
+        specials, named, template = (*SPECIAL_TOKENS, *INTERNVL_TOKENS.values()), INTERNVL_TOKENS, INTERNVL_CHAT_TEMPLATE
+    tokenizer = build_tokenizer(out, words, special_tokens=specials, extra_special_tokens=named, chat_template=template)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
     config = _config(arch, sizes, ids, len(tokenizer))
 

@@ -1,7 +1,7 @@
 """The built-in plugins, kept in the repository's top-level folders (the things a user copies and
 adds to), installed under this package:
 
-    processors/  ->  mmrl.plugins.processors   model-family adapters (qwen_vl, llava)
+    processors/  ->  mmrl.plugins.processors   model-family adapters (qwen_vl, llava, internvl)
     rewards/     ->  mmrl.plugins.rewards      reward functions (answer_match, grounding_iou, ...)
     data/        ->  mmrl.plugins.data         dataset recipes (`mmrl data build`) and converters
 

@@ -1,7 +1,13 @@
-"""The LLaVA family end to end on the real parts: a tiny random LLaVA (CLIP tower, 1-D positions,
-`<image>` expanded to 16 tokens), the vLLM engine and the 2-rank ZeRO-3 trainer. Logprob parity
-before and after a weight sync (the sync renames the CLIP tower's weights for vLLM through the
-adapter), and a text-only micro-batch on one rank (the adapter's dummy vision input)."""
+"""The families beyond Qwen end to end on the real parts: a tiny random model of each, the vLLM
+engine and the 2-rank ZeRO-3 trainer.
+
+  * LLaVA: CLIP tower, 1-D positions, `<image>` expanded to 16 tokens; the sync renames the
+    CLIP tower's weights for vLLM through the adapter.
+  * InternVL: InternViT tower, 1-D positions, each image tiled (up to 4 tiles of 56 px, 4 tokens
+    each) between `<img>` and `</img>`; weights named alike on both sides.
+
+Per family: logprob parity before and after a weight sync (one image and two images per prompt),
+and a text-only micro-batch on one rank (the adapter's dummy vision input)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,22 +26,24 @@ from mmrl.trainer.plan import plan_updates
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def runtime(colors_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    model = build_tiny_vlm("llava", tmp_path_factory.mktemp("llava") / "tiny-llava", seed=0)
-    with demo_runtime(model, colors_dir, tmp_path_factory.mktemp("llava_run"), "trainer.lr=0.02",
+@pytest.fixture(scope="module", params=["llava", "internvl"])
+def runtime(request: pytest.FixtureRequest, colors_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    family = request.param
+    model = build_tiny_vlm(family, tmp_path_factory.mktemp(family) / f"tiny-{family}", seed=0)
+    with demo_runtime(model, colors_dir, tmp_path_factory.mktemp(f"{family}_run"), "trainer.lr=0.02",
                       "rollout.max_new_tokens=8", "rollout.engine_args.limit_mm_per_prompt={image: 2, video: 0}") as rt:
         yield rt
 
 
-def test_llava_parity_before_and_after_weight_sync(runtime, colors_samples: list) -> None:
+def test_parity_before_and_after_weight_sync(runtime, colors_samples: list) -> None:
     rt = runtime
     a, b = colors_samples[0].images[0], colors_samples[1].images[0]
     samples = colors_samples[:6] + [Sample(key="two", messages=messages_from_prompt("Same colour?", n_images=2),
                                            images=[a, b])]
     prompts, groups, before = _rollout_and_compare(rt, samples)
     mm = ray.get(prompts[-1].ref)
-    assert mm.positions_AP.shape[0] == 1 and mm.mm_inputs["pixel_values"].shape[0] == 2  # 1-D positions, two images
+    # 1-D positions; two 56-px images: one CLIP input or one InternVL tile each
+    assert mm.positions_AP.shape[0] == 1 and mm.mm_inputs["pixel_values"].shape[0] == 2
     assert before.mean() <= 1e-4, before.mean()
 
     seqs = make_sequences(prompts, groups)
@@ -50,9 +58,9 @@ def test_llava_parity_before_and_after_weight_sync(runtime, colors_samples: list
     ray.get([t.sync_weights.remote(rt.engines, rt.weight_version, 0.5) for t in rt.trainers])
     _, _, after = _rollout_and_compare(rt, samples)
     assert after.mean() <= 1e-4, after.mean()
-    print(f"llava parity mean|d|: before {before.mean():.2e}, control {control.mean():.2e}, after {after.mean():.2e}")
+    print(f"{rt.cfg.model.path} parity mean|d|: before {before.mean():.2e}, control {control.mean():.2e}, after {after.mean():.2e}")
 
 
 @pytest.mark.timeout(300)
-def test_llava_text_only_micro_batch_on_one_rank(runtime, colors_samples: list) -> None:
+def test_text_only_micro_batch_on_one_rank(runtime, colors_samples: list) -> None:
     train_with_a_text_only_rank(runtime, colors_samples)
