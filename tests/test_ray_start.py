@@ -1,10 +1,12 @@
 """init_local_ray on a busy machine: Ray 2.60 gives a new node a fixed 30 s to register, and a
 loaded 2-core machine can miss it (seen in CI with two busy loops and a training run beside it).
 The failed start's orphaned processes are stopped and the start is retried; any other error is
-raised at once. Ray itself is replaced here by a stand-in that fails like Ray does, because a
+raised at once. Worker processes get 600 s to register instead of 60 (seen too: a reward worker
+killed and restarted five times, then the actor given up). Ray itself is replaced here by a stand-in that fails like Ray does, because a
 real raylet cannot be made slow on demand; the orphan is a real process that must be killed."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +51,9 @@ def flaky(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     yield make
 
 
-def test_a_start_that_times_out_is_cleaned_up_and_retried(flaky, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_start_that_times_out_is_cleaned_up_and_retried(flaky, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_worker_register_timeout_seconds", raising=False)
     ray = flaky(failures=2)
     env_mod.init_local_ray(num_cpus=2, include_dashboard=False)
     assert ray.calls == [{"num_cpus": 2, "include_dashboard": False}] * 3
@@ -57,6 +61,8 @@ def test_a_start_that_times_out_is_cleaned_up_and_retried(flaky, capsys: pytest.
         assert orphan.wait(timeout=30) == -9
     err = capsys.readouterr().err
     assert "retrying (1/2)" in err and "retrying (2/2)" in err and "stopped the 1 process(es)" in err
+    # slow worker start-up is waited for (the raylet reads this when it starts), not killed at 60 s
+    assert os.environ["RAY_worker_register_timeout_seconds"] == str(env_mod.RAY_WORKER_REGISTER_TIMEOUT_S)
 
 
 def test_the_last_timeout_and_any_other_error_are_raised(flaky) -> None:

@@ -47,7 +47,8 @@ def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | 
 
 
 def init_local_ray(**ray_init_kwargs: object) -> None:
-    """Start a local Ray instance for mmrl's actors. Ray starts worker processes at niceness 15
+    """Start a local Ray instance for mmrl's actors, patient with a busy machine (see below).
+    Ray starts worker processes at niceness 15
     by default (`RAY_worker_niceness`), which is right for a cluster where the driver must stay
     responsive but wrong here: every engine, trainer rank and reward worker is a Ray worker, so
     any ordinary process on the machine (a build, a browser, a second job) takes ~97% of the CPU
@@ -56,6 +57,10 @@ def init_local_ray(**ray_init_kwargs: object) -> None:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # A worker process has 60 s to register by default; on a loaded 2-core machine importing
+    # torch/vLLM can take longer, and the raylet then kills it and starts another (5 times, then
+    # the actor is unschedulable), which only adds load. Wait for it instead.
+    os.environ.setdefault("RAY_worker_register_timeout_seconds", str(RAY_WORKER_REGISTER_TIMEOUT_S))
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         before = ray_sessions()
         try:
@@ -74,6 +79,7 @@ def init_local_ray(**ray_init_kwargs: object) -> None:
 # on a loaded 2-core machine the raylet can take longer. The failed start leaves its GCS and
 # raylet running with no owner: they are stopped before the next try.
 RAY_START_ATTEMPTS = 3
+RAY_WORKER_REGISTER_TIMEOUT_S = 600
 RAY_START_TIMEOUT = "timed out during startup"
 
 
