@@ -36,7 +36,8 @@ class RunConfig:
     output_dir: str = "runs/${run.name}"
     seed: int = 0
     max_steps: int = 200
-    # Stop early once wall time (seconds, from the first step) passes this; null = no limit.
+    # Stop early once wall time (seconds, from the first step) passes this; null = no limit. A
+    # resumed run continues the same clock: raise the limit to resume a run it stopped.
     time_limit_s: Optional[float] = None
     # Stop early once held-out accuracy reaches this; null = never.
     stop_at_heldout_accuracy: Optional[float] = None
