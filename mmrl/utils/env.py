@@ -46,6 +46,14 @@ def engine_env(run_dir: str | os.PathLike, device: str, extra: dict[str, str] | 
     return env
 
 
+# Ray 2.60 gives a starting node a fixed 30 s to register with its GCS (node.py; no setting), and
+# on a loaded 2-core machine the raylet can take longer. The failed start leaves its GCS and
+# raylet running with no owner: they are stopped before the next try.
+RAY_START_ATTEMPTS = 3
+RAY_WORKER_REGISTER_TIMEOUT_S = 600
+RAY_START_TIMEOUT = "timed out during startup"
+
+
 def init_local_ray(**ray_init_kwargs: object) -> None:
     """Start a local Ray instance for mmrl's actors, patient with a busy machine (see below).
     Ray starts worker processes at niceness 15
@@ -75,14 +83,6 @@ def init_local_ray(**ray_init_kwargs: object) -> None:
                   file=sys.stderr)
 
 
-# Ray 2.60 gives a starting node a fixed 30 s to register with its GCS (node.py; no setting), and
-# on a loaded 2-core machine the raylet can take longer. The failed start leaves its GCS and
-# raylet running with no owner: they are stopped before the next try.
-RAY_START_ATTEMPTS = 3
-RAY_WORKER_REGISTER_TIMEOUT_S = 600
-RAY_START_TIMEOUT = "timed out during startup"
-
-
 def ray_sessions() -> set[str]:
     """Names of the Ray session folders on this machine (session_<date>_<pid>)."""
     from ray._common.utils import get_default_ray_temp_dir  # where ray.init puts them by default
@@ -95,9 +95,9 @@ def kill_session_processes(sessions: set[str]) -> int:
     """SIGKILL this user's processes whose command line names one of `sessions`; how many."""
     import psutil
 
-    killed = 0
     if not sessions:
-        return killed
+        return 0
+    killed = 0
     for proc in psutil.process_iter(["cmdline", "uids"]):
         try:
             if proc.pid == os.getpid() or proc.info["uids"].real != os.getuid():
