@@ -4,6 +4,7 @@ sync. The control (engine still on the old weights, trainer on the new) must dif
 shows the sync really changed what the engine computes."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -146,23 +147,23 @@ def test_multi_turn_parity_with_an_image_returned_by_a_tool(runtime: Runtime, co
     rt = runtime
     args = {"parser": f"{REPO}/tests/_tool_plugins.py:zoom_every_turn", "max_turns": 2,
             "tools": [{"name": "image_zoom", "args": {"upscale_to": 56}}]}
-    rollout = _rollout_with(rt, "multi_turn", args, colors_samples[:4], max_new_tokens=4, seed=3)
-    image_pad = rt.processor.image_token_id
-    seqs = make_sequences(rollout.prompts, rollout.groups)
-    for t, seq in zip([t for g in rollout.groups for t in g], seqs):
-        assert t.stats["turns"] == 2 and t.stats["tool_calls"] == 1 and t.stats["tool_images"] == 1
-        assert t.transcript[1]["role"] == "tool" and t.transcript[1]["images"] == 1
-        assert t.response_inputs is not None
-        mask = np.asarray(t.loss_mask)
-        ids = np.asarray(t.response_ids)
-        # the 56x56 crop is a 4x4 patch grid merged 2x2: 4 vision tokens, none of them trained on
-        assert (ids == image_pad).sum() == 4 and not mask[ids == image_pad].any()
-        # model tokens: turn 1 first, turn 2 last, the tool turn (mask 0) between them
-        assert mask[:4].all() and mask[-4:].all() and mask.sum() == 8
-        assert all(v == rt.weight_version for v, m in zip(t.token_versions, t.loss_mask) if m)
-    diffs = _model_token_diffs(rt, seqs)
-    assert diffs.size == 8 * len(seqs) and diffs.mean() <= 1e-4, diffs.mean()
-    print(f"multi-turn parity mean|d| {diffs.mean():.2e} over {diffs.size} model tokens")
+    with _rollout_with(rt, "multi_turn", args, colors_samples[:4], max_new_tokens=4, seed=3) as rollout:
+        image_pad = rt.processor.image_token_id
+        seqs = make_sequences(rollout.prompts, rollout.groups)
+        for t, seq in zip([t for g in rollout.groups for t in g], seqs):
+            assert t.stats["turns"] == 2 and t.stats["tool_calls"] == 1 and t.stats["tool_images"] == 1
+            assert t.transcript[1]["role"] == "tool" and t.transcript[1]["images"] == 1
+            assert t.response_inputs is not None
+            mask = np.asarray(t.loss_mask)
+            ids = np.asarray(t.response_ids)
+            # the 56x56 crop is a 4x4 patch grid merged 2x2: 4 vision tokens, none of them trained on
+            assert (ids == image_pad).sum() == 4 and not mask[ids == image_pad].any()
+            # model tokens: turn 1 first, turn 2 last, the tool turn (mask 0) between them
+            assert mask[:4].all() and mask[-4:].all() and mask.sum() == 8
+            assert all(v == rt.weight_version for v, m in zip(t.token_versions, t.loss_mask) if m)
+        diffs = _model_token_diffs(rt, seqs)
+        assert diffs.size == 8 * len(seqs) and diffs.mean() <= 1e-4, diffs.mean()
+        print(f"multi-turn parity mean|d| {diffs.mean():.2e} over {diffs.size} model tokens")
 
 
 def test_an_openai_client_agent_is_trained_through_the_proxy(runtime: Runtime, colors_samples: list) -> None:
@@ -171,34 +172,36 @@ def test_an_openai_client_agent_is_trained_through_the_proxy(runtime: Runtime, c
     logprobs and weight versions, the re-rendered history is spliced back onto the recorded
     tokens (drift counted), the trainer's logprobs match the engine's and a training step runs."""
     rt = runtime
-    rollout = _rollout_with(rt, "openai_agent", {"agent": f"{REPO}/tests/_openai_agent.py:agent"},
-                            colors_samples[:4], max_new_tokens=8, seed=4)
-    trajectories = [t for g in rollout.groups for t in g]
-    for t in trajectories:
-        assert t.stats["proxy_calls"] == 2 and t.prompt_ref is not None  # its own system prompt
-        mask = np.asarray(t.loss_mask)
-        # two model turns: two runs of sampled tokens, the tool turn and template (mask 0) between them
-        assert mask[0] == 1 and np.count_nonzero(np.diff(mask) == 1) == 1 and (mask == 0).any()
-        assert t.tool_state["answer"] is not None and len(t.transcript) == 2
-        assert all(v == rt.weight_version for v, m in zip(t.token_versions, t.loss_mask) if m)
-        assert all(lp < 0 for lp, m in zip(t.behaviour_logprobs, t.loss_mask) if m)
-    assert sum(t.stats["drift"] for t in trajectories) >= 1
-    assert sum(t.stats["drift_spliced"] for t in trajectories) == sum(t.stats["drift"] for t in trajectories)
-    seqs = make_sequences(rollout.prompts, rollout.groups)
-    diffs = _model_token_diffs(rt, seqs)
-    assert diffs.mean() <= 1e-4, diffs.mean()
-    for seq, adv in zip(seqs, [1.0, -1.0] * len(seqs)):
-        seq.advantage = adv
-    stats = ray.get([t.train_step.remote(x) for t, x in
-                     zip(rt.trainers, plan_updates(seqs, world_size=len(rt.trainers), micro_batch_size=64))])
-    assert stats[0]["grad_norms"][0] > 0 and stats[0]["skipped_updates"] == 0
-    print(f"openai agent: parity mean|d| {diffs.mean():.2e} over {diffs.size} tokens; drift "
-          f"{sum(t.stats['drift'] for t in trajectories):.0f} of {len(trajectories) * 2} calls, all spliced")
+    with _rollout_with(rt, "openai_agent", {"agent": f"{REPO}/tests/_openai_agent.py:agent"},
+                       colors_samples[:4], max_new_tokens=8, seed=4) as rollout:
+        trajectories = [t for g in rollout.groups for t in g]
+        for t in trajectories:
+            assert t.stats["proxy_calls"] == 2 and t.prompt_ref is not None  # its own system prompt
+            mask = np.asarray(t.loss_mask)
+            # two model turns: two runs of sampled tokens, the tool turn and template (mask 0) between them
+            assert mask[0] == 1 and np.count_nonzero(np.diff(mask) == 1) == 1 and (mask == 0).any()
+            assert t.tool_state["answer"] is not None and len(t.transcript) == 2
+            assert all(v == rt.weight_version for v, m in zip(t.token_versions, t.loss_mask) if m)
+            assert all(lp < 0 for lp, m in zip(t.behaviour_logprobs, t.loss_mask) if m)
+        assert sum(t.stats["drift"] for t in trajectories) >= 1
+        assert sum(t.stats["drift_spliced"] for t in trajectories) == sum(t.stats["drift"] for t in trajectories)
+        seqs = make_sequences(rollout.prompts, rollout.groups)
+        diffs = _model_token_diffs(rt, seqs)
+        assert diffs.mean() <= 1e-4, diffs.mean()
+        for seq, adv in zip(seqs, [1.0, -1.0] * len(seqs)):
+            seq.advantage = adv
+        stats = ray.get([t.train_step.remote(x) for t, x in
+                         zip(rt.trainers, plan_updates(seqs, world_size=len(rt.trainers), micro_batch_size=64))])
+        assert stats[0]["grad_norms"][0] > 0 and stats[0]["skipped_updates"] == 0
+        print(f"openai agent: parity mean|d| {diffs.mean():.2e} over {diffs.size} tokens; drift "
+              f"{sum(t.stats['drift'] for t in trajectories):.0f} of {len(trajectories) * 2} calls, all spliced")
 
 
+@contextmanager
 def _rollout_with(rt: Runtime, loop: str, args: dict, samples: list, *, max_new_tokens: int, seed: int):
     """Two trajectories per sample with agent loop `loop` in a rollout worker of its own, on the
-    module's engine."""
+    module's engine. The worker owns the prompts it put in the object store, so it stays up until
+    the caller is done with them: a killed owner takes its objects with it (OwnerDiedError)."""
     from mmrl.rollout.workers import RolloutWorkers
 
     rt.push_weights()  # earlier tests of the module may have trained without a sync
@@ -209,7 +212,7 @@ def _rollout_with(rt: Runtime, loop: str, args: dict, samples: list, *, max_new_
         workers.ready()
         sampling = SamplingConfig(n=2, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed,
                                   forbidden_token_ids=rt.sampling.forbidden_token_ids)
-        return run_rollout(workers, samples, sampling)
+        yield run_rollout(workers, samples, sampling)
     finally:
         workers.close()
 
@@ -233,8 +236,8 @@ def test_parity_on_images_above_the_processor_pixel_budget(runtime: Runtime, col
     rt.push_weights()
     big = [Sample(key=f"big-{i}", messages=s.messages, images=[s.images[0].resize((448, 448))], answer=s.answer)
            for i, s in enumerate(colors_samples[:4])]
-    rollout = _rollout_with(rt, "single_turn", {}, big, max_new_tokens=4, seed=5)
-    prompt = ray.get(rollout.prompts[0].ref)
-    assert prompt.mm_inputs["image_grid_thw"].tolist() == [[1, 8, 8]]  # 112 / 14 patches a side
-    diffs = _model_token_diffs(rt, make_sequences(rollout.prompts, rollout.groups))
-    assert diffs.size == 4 * 2 * 4 and diffs.mean() <= 1e-4, diffs.mean()
+    with _rollout_with(rt, "single_turn", {}, big, max_new_tokens=4, seed=5) as rollout:
+        prompt = ray.get(rollout.prompts[0].ref)
+        assert prompt.mm_inputs["image_grid_thw"].tolist() == [[1, 8, 8]]  # 112 / 14 patches a side
+        diffs = _model_token_diffs(rt, make_sequences(rollout.prompts, rollout.groups))
+        assert diffs.size == 4 * 2 * 4 and diffs.mean() <= 1e-4, diffs.mean()

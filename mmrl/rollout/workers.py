@@ -192,6 +192,8 @@ class RolloutWorkers:
         return [merge_windows(w) for w in merged]
 
     def close(self) -> None:
+        """Kill the worker actors. They own the prompts and response inputs they put in the object
+        store, which die with them: close only once the trainers have read those."""
         for a in self.actors:
             ray.kill(a)
 
