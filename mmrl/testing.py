@@ -174,7 +174,9 @@ def local_engine(model_dir: str | Path, run_dir: str | Path, max_model_len: int 
 def run_agent_loop(spec: Any, engine: dict[str, Any], samples: Sequence[Sample], n: int,
                    args: dict[str, Any] | None = None, max_new_tokens: int = 4, seed: int = 5) -> tuple[Any, list[int]]:
     """Run `spec` on `samples` (n trajectories each) in one rollout worker on `engine`; returns
-    the rollout and the prompt slots in the order their groups arrived."""
+    the rollout and the prompt slots in the order their groups arrived. The worker is closed on
+    return, and the prompts it put in the object store with it: the trajectories' own fields stay
+    readable, their `prompt_ref`s do not (keep a `RolloutWorkers` open to train on a rollout)."""
     from mmrl.controller.rollout import run_rollout
     from mmrl.rollout.types import SamplingConfig
     from mmrl.rollout.workers import RolloutWorkers
