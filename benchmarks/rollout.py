@@ -56,7 +56,7 @@ def main() -> None:
 
     from mmrl.data.stream import load_all
     from mmrl.processors import build_processor
-    from mmrl.rollout.engine import engine_kwargs
+    from mmrl.rollout.engine import cpu_engine_defaults, engine_kwargs
 
     processor = build_processor("auto", str(model_dir))
     samples = load_all(str(data / "heldout-000000.tar"))[:args.prompts]
@@ -65,9 +65,8 @@ def main() -> None:
         raise SystemExit("the benchmark batches HF generate without padding: the prompts must have one length")
     max_len = prompts[0].num_tokens + args.new_tokens + 16
 
-    llm = LLM(**engine_kwargs(str(model_dir), "float32", 0, {"max_model_len": max(512, max_len),
-                                                               "max_num_seqs": 256, "enforce_eager": True,
-                                                               "limit_mm_per_prompt": {"image": 1, "video": 0}}))
+    llm = LLM(**cpu_engine_defaults(engine_kwargs(str(model_dir), "float32", 0, {
+        "max_model_len": max(512, max_len), "max_num_seqs": 256, "limit_mm_per_prompt": {"image": 1, "video": 0}})))
     sampling = SamplingParams(n=args.group, temperature=1.0, max_tokens=args.new_tokens,
                               min_tokens=args.new_tokens, ignore_eos=True)
 

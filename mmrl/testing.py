@@ -145,7 +145,7 @@ def local_engine(model_dir: str | Path, run_dir: str | Path, max_model_len: int 
     import ray
 
     from mmrl.processors import build_processor
-    from mmrl.rollout.engine import RolloutEngine, engine_kwargs
+    from mmrl.rollout.engine import RolloutEngine, cpu_engine_defaults, engine_kwargs
     from mmrl.utils.env import engine_env, init_local_ray, resolve_device
 
     device = resolve_device("auto")
@@ -154,9 +154,11 @@ def local_engine(model_dir: str | Path, run_dir: str | Path, max_model_len: int 
     engine = None
     try:
         # chunked prefill off, as the controller sets it on CPU: seeded requests need it
-        kwargs = engine_kwargs(str(model_dir), "float32", 0, {"max_model_len": max_model_len, "enforce_eager": True,
+        kwargs = engine_kwargs(str(model_dir), "float32", 0, {"max_model_len": max_model_len,
                                                               "enable_chunked_prefill": False,
                                                               "limit_mm_per_prompt": {"image": 2, "video": 0}})
+        if device == "cpu":
+            cpu_engine_defaults(kwargs)
         engine = RolloutEngine.as_actor({"num_cpus": 1, "num_gpus": 1 if device == "cuda" else 0}, kwargs, env)
         ray.get(engine.ready.remote(), timeout=600)
         processor = build_processor("auto", str(model_dir))

@@ -97,7 +97,7 @@ _VLLM_GREEDY = textwrap.dedent("""
     async def main():
         from mmrl.data.stream import load_all
         from mmrl.processors import build_processor
-        from mmrl.rollout.engine import RolloutEngine, engine_kwargs
+        from mmrl.rollout.engine import RolloutEngine, cpu_engine_defaults, engine_kwargs
         from mmrl.rollout.types import RequestSampling
         from mmrl.utils.env import engine_env
 
@@ -105,7 +105,7 @@ _VLLM_GREEDY = textwrap.dedent("""
         env = engine_env(Path(sys.argv[4]), "cpu", {})
         proc = build_processor("auto", model)
         samples = {s.key: s for s in load_all(shards)}
-        engine = RolloutEngine({**engine_kwargs(model, "float32", 0, {}), "enforce_eager": True}, env)
+        engine = RolloutEngine(cpu_engine_defaults(engine_kwargs(model, "float32", 0, {})), env)
         await engine.ready()
         greedy = RequestSampling(max_tokens=2, greedy=True, forbidden_token_ids=proc.forbidden_token_ids)
         texts = [(await engine.generate(proc(samples[k]).vllm_input, greedy)).text for k in keys]

@@ -16,7 +16,7 @@ from mmrl.data.sample import Sample, Video, messages_from_prompt
 from mmrl.models.tiny_vlm import build_tiny_vlm
 from mmrl.processors import build_processor
 from mmrl.rollout.client import generate_groups
-from mmrl.rollout.engine import RolloutEngine, engine_kwargs
+from mmrl.rollout.engine import RolloutEngine, cpu_engine_defaults, engine_kwargs
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
 from mmrl.utils.env import engine_env, init_local_ray
@@ -57,8 +57,8 @@ def test_video_and_multi_image_parity(arch: str, tmp_path: Path, colors_samples:
     samples = _samples(colors_samples)
     prompts = [proc(s) for s in samples]
     env = engine_env(tmp_path / "run", "cpu", {"VLLM_LOGGING_LEVEL": "ERROR"})
-    llm_kwargs = engine_kwargs(model_dir, "float32", 0, {"enforce_eager": True, "max_model_len": 1024,
-                                                         "limit_mm_per_prompt": {"image": 2, "video": 1}})
+    llm_kwargs = cpu_engine_defaults(engine_kwargs(model_dir, "float32", 0, {
+        "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2, "video": 1}}))
     engine = RolloutEngine.as_actor({"num_cpus": 1}, llm_kwargs, env)
     try:
         sampling = SamplingConfig(n=3, max_new_tokens=6, forbidden_token_ids=proc.forbidden_token_ids)

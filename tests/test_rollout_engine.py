@@ -135,3 +135,24 @@ def test_router_back_pressure(runtime: Runtime, colors_samples: list) -> None:
     assert len(rollout.groups) == 6 and all(len(g) == 4 for g in rollout.groups)
     stats = ray.get(rt.engines[0].stats.remote())
     assert 1 <= stats["max_in_flight"] <= 3  # rollout.max_requests_per_engine=3, 24 requests asked at once
+
+
+def test_on_cpu_the_model_worker_runs_in_the_engine_core(runtime: Runtime) -> None:
+    """cpu_engine_defaults: vLLM's model worker is not a third interpreter beside the engine
+    core (one vLLM import fewer on the start's critical path), and the tests above ran on it."""
+    import psutil
+
+    pid = ray.get(runtime.engines[0].ready.remote())["pid"]
+    names = [p.name() for p in psutil.Process(pid).children(recursive=True)]
+    assert any("EngineCore" in n for n in names), names
+    assert not any("Worker" in n for n in names), names
+
+
+def test_cpu_engine_defaults_keep_the_users_choice() -> None:
+    from mmrl.rollout.engine import CPU_IN_PROCESS_EXECUTOR, cpu_engine_defaults
+
+    assert cpu_engine_defaults({}) == {"enforce_eager": True, "distributed_executor_backend": CPU_IN_PROCESS_EXECUTOR}
+    assert cpu_engine_defaults({"distributed_executor_backend": "mp", "enforce_eager": False}) == {
+        "distributed_executor_backend": "mp", "enforce_eager": False}
+    # several workers: vLLM's own executor, which starts one process per worker
+    assert "distributed_executor_backend" not in cpu_engine_defaults({"tensor_parallel_size": 2})

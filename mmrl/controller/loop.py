@@ -27,7 +27,7 @@ from mmrl.controller.rollout_log import log_rollouts
 from mmrl.controller.rollout import EngineMonitor, rollout_and_score_groups, run_rollout
 from mmrl.processors import PromptRef, build_processor
 from mmrl.rewards.workers import RewardPool
-from mmrl.rollout.engine import RolloutEngine, engine_kwargs
+from mmrl.rollout.engine import RolloutEngine, cpu_engine_defaults, engine_kwargs
 from mmrl.rollout.trainer_engine import TrainerRolloutEngine
 from mmrl.rollout.types import SamplingConfig, Trajectory
 from mmrl.rollout.workers import RolloutWorkers
@@ -119,7 +119,7 @@ def start_runtime(cfg: Config) -> Runtime:
                                min_pixels=cfg.processor.min_pixels, max_pixels=cfg.processor.max_pixels)
     llm_kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
     if device == "cpu":
-        llm_kwargs.setdefault("enforce_eager", True)
+        cpu_engine_defaults(llm_kwargs)
         if cfg.rollout.seed_per_step:
             llm_kwargs.setdefault("enable_chunked_prefill", False)  # see RolloutEngine.generate
     vllm_backend = cfg.rollout.backend.value == "vllm"

@@ -24,7 +24,7 @@ def serve_rollout(cfg: Config, host: str = "127.0.0.1", port: int = 8000, on_dri
     from mmrl.controller.placement import placement_plan
     from mmrl.processors import build_processor
     from mmrl.rollout.client import Router
-    from mmrl.rollout.engine import RolloutEngine, engine_kwargs
+    from mmrl.rollout.engine import RolloutEngine, cpu_engine_defaults, engine_kwargs
     from mmrl.rollout.proxy import RolloutProxy, make_app
     from mmrl.rollout.types import RequestSampling
     from mmrl.utils.env import apply_env, engine_env, init_local_ray, resolve_device
@@ -51,7 +51,7 @@ def serve_rollout(cfg: Config, host: str = "127.0.0.1", port: int = 8000, on_dri
                            min_pixels=cfg.processor.min_pixels, max_pixels=cfg.processor.max_pixels)
     kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
     if device == "cpu":
-        kwargs.setdefault("enforce_eager", True)
+        cpu_engine_defaults(kwargs)
     engines = [RolloutEngine.as_actor(p.ray_options(), {**kwargs, "seed": cfg.run.seed + p.index}, env)
                for p in placement_plan(cfg, device) if p.role == "rollout"]
     ray.get([e.ready.remote() for e in engines])
