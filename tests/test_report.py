@@ -234,3 +234,19 @@ def test_startup_cpu_by_kind_of_process(tmp_path: Path) -> None:
     line = ("start-up CPU: 60.0 s over the run's processes (>= 30.0 s of wall time on 2 cores): "
             "TrainerWorker 30.0, EngineCore 20.0, driver 10.0")
     assert line in out.getvalue() and line in (run / "report" / "summary.md").read_text()
+
+
+def test_startup_ready_times_show_the_critical_path(tmp_path: Path) -> None:
+    """startup_ready/<kind>_s: when the engines and the trainer ranks (started side by side) were
+    each up, seconds from the process start, earliest first, on the report's start-up line."""
+    run = _write_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[1].update({"startup/imports_s": 5.0, "startup/engines_and_ranks_s": 40.0, "startup/total_s": 45.0,
+                    "startup_ready/engines_s": 44.5, "startup_ready/trainer_ranks_s": 30.25})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    console, out = _console()
+    summary = write_report(run, console)
+    assert summary["startup_ready"] == {"trainer_ranks": 30.25, "engines": 44.5}
+    line = ("start-up: 45.0 s from the process start to the end of the first step (imports 5.0, engines_and_ranks 40.0); "
+            "ready at trainer ranks 30.2 s, engines 44.5 s")
+    assert line in out.getvalue() and line in (run / "report" / "summary.md").read_text()

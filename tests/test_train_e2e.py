@@ -106,3 +106,6 @@ def test_report_on_the_demo_run(demo_run: tuple[Path, str]) -> None:
     # and what each kind of process spent on it: every process pays its own imports
     assert {"driver", "TrainerWorker", "RolloutEngine", "RolloutWorker", "ray"} <= set(summary["startup_cpu"])
     assert "start-up CPU:" in out
+    # when the engines and the ranks (started side by side) were up, within the start-up
+    ready = summary["startup_ready"]
+    assert set(ready) == {"engines", "trainer_ranks"} and all(0 < s < startup["total"] for s in ready.values())

@@ -153,7 +153,8 @@ def start_runtime(cfg: Config) -> Runtime:
                    for p in plan if p.role == "rollout"]
     # The engines and ranks start now (vLLM's start and DeepSpeed's take seconds each), while the
     # reward pool below waits for its workers and the rollout workers come up.
-    starting = setup_ranks(trainers) + [e.ready.remote() for e in engines]
+    starting = {ref: "trainer_ranks" for ref in setup_ranks(trainers)}
+    starting.update({e.ready.remote(): "engines" for e in engines})
     # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
     rewards = RewardPool([dataclasses.asdict(r) for r in cfg.rewards],
@@ -164,7 +165,11 @@ def start_runtime(cfg: Config) -> Runtime:
                              cfg.rollout.agent_loop_args, cfg.rollout.max_requests_per_engine,
                              actor_options=next(p for p in plan if p.role == "rollout_worker").ray_options())
     startup.mark("workers_started")  # reward and rollout workers; the engines and ranks start meanwhile
-    ray.get(starting)
+    pending = list(starting)
+    while pending:  # in the order they come up: which of them the start waits for
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)  # a start that failed raises here
+        startup.ready(starting[done[0]])
     startup.mark("engines_and_ranks")
     workers.ready()
     startup.mark("rollout_workers_ready")

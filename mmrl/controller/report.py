@@ -218,6 +218,7 @@ def summarize(run_dir: Path, log: MetricsLog) -> dict[str, Any]:
         "cores_available": next((r["cores/available"] for r in reversed(timed) if "cores/available" in r), None),
         "startup": _startup(timed),
         "startup_cpu": _startup_cpu(timed),
+        "startup_ready": _startup_ready(timed),
         "top": {"span": top.name, "share": top.share, "mean_s": top.mean_s,
                 "hint": hint(top.name, config, log.rows, run_dir)},
         "notes": log.notes,
@@ -243,15 +244,25 @@ def _startup_cpu(timed: list[dict[str, Any]]) -> dict[str, float] | None:
     return dict(sorted(cpu.items(), key=lambda kv: -kv[1])) or None
 
 
+def _startup_ready(timed: list[dict[str, Any]]) -> dict[str, float] | None:
+    """When each kind of process that starts side by side was up (seconds from the process start), first first."""
+    row = next((r for r in reversed(timed) if "startup/total_s" in r), None)
+    ready = startup_phases(row, "startup_ready/") if row else {}
+    return dict(sorted(ready.items(), key=lambda kv: kv[1])) or None
+
+
 def _startup_cpu_line(cpu: dict[str, float], cores: float | None) -> str:
     kinds = ", ".join(f"{name} {s:.1f}" for name, s in cpu.items())
     bound = f" (>= {sum(cpu.values()) / cores:.1f} s of wall time on {cores:g} cores)" if cores else ""
     return f"start-up CPU: {sum(cpu.values()):.1f} s over the run's processes{bound}: {kinds}"
 
 
-def _startup_line(startup: dict[str, float]) -> str:
+def _startup_line(startup: dict[str, float], ready: dict[str, float] | None = None) -> str:
     phases = ", ".join(f"{name} {s:.1f}" for name, s in startup.items() if name != "total")
-    return f"start-up: {startup['total']:.1f} s from the process start to the end of the first step ({phases})"
+    line = f"start-up: {startup['total']:.1f} s from the process start to the end of the first step ({phases})"
+    if ready:
+        line += "; ready at " + ", ".join(f"{name.replace('_', ' ')} {s:.1f} s" for name, s in ready.items())
+    return line
 
 
 def _fmt_share(share: float) -> str:
@@ -293,7 +304,7 @@ def render(summary: dict[str, Any], console: Any) -> None:
     if steps["max_steps"] and steps["last"] < steps["max_steps"]:
         console.print(f"steps: {steps['last']} of run.max_steps={steps['max_steps']} (still going, or stopped early)")
     if summary.get("startup"):
-        console.print(_startup_line(summary["startup"]), highlight=False)
+        console.print(_startup_line(summary["startup"], summary.get("startup_ready")), highlight=False)
     if summary.get("startup_cpu"):
         console.print(_startup_cpu_line(summary["startup_cpu"], summary.get("cores_available")), highlight=False)
     tp = summary["throughput"]
@@ -316,7 +327,7 @@ def to_markdown(summary: dict[str, Any], plots: list[str], skipped: dict[str, st
              f"{summary['step_time_s']['mean']:.3f} s/step, {tp['steps_per_min']:.2f} steps/min"
              + (f", {tp['samples_per_min']:.0f} samples/min" if "samples_per_min" in tp else "") + ".", "",
              f"**Where the time goes:** {top['span']} ({_fmt_share(top['share'])}): {top['hint']}", "",
-             *([_startup_line(summary["startup"]) + ".", ""] if summary.get("startup") else []),
+             *([_startup_line(summary["startup"], summary.get("startup_ready")) + ".", ""] if summary.get("startup") else []),
              *([_startup_cpu_line(summary["startup_cpu"], summary.get("cores_available")) + ".", ""]
                if summary.get("startup_cpu") else []),
              f"| span | s/step | share | p50 s | p95 s | steps | {_cores_column(summary.get('cores_available'))} |",

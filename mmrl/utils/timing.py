@@ -22,6 +22,13 @@ class Milestones:
         self.t0 = psutil.Process().create_time()
         self.last = self.t0
         self.seconds: dict[str, float] = {}
+        self.ready_at: dict[str, float] = {}
+
+    def ready(self, name: str) -> None:
+        """`name` (e.g. the engines) is ready now: seconds since the process start, kept beside
+        the phases (`startup_ready/<name>_s`); of several processes that start side by side, the
+        latest to come up shows the critical path."""
+        self.ready_at[name] = time.time() - self.t0
 
     def mark(self, name: str) -> None:
         """The time since the previous mark (or the process start) is phase `name`."""
@@ -32,6 +39,7 @@ class Milestones:
     def metrics(self) -> dict[str, float]:
         out = {f"startup/{name}_s": s for name, s in self.seconds.items()}
         out["startup/total_s"] = self.last - self.t0
+        out.update({f"startup_ready/{name}_s": s for name, s in self.ready_at.items()})
         return out
 
 
