@@ -103,17 +103,6 @@ def start_runtime(cfg: Config) -> Runtime:
                      runtime_env={"env_vars": env}, log_to_driver=True)
     startup.mark("ray")
 
-    processor_spec = dict(name=cfg.processor.name, model_path=cfg.model.path, min_pixels=cfg.processor.min_pixels,
-                          max_pixels=cfg.processor.max_pixels, max_prompt_tokens=cfg.processor.max_prompt_tokens,
-                          trust_remote_code=cfg.model.trust_remote_code)
-    # The driver's processor decodes responses for the rewards and declares the media limits;
-    # prompts are processed in the rollout workers.
-    processor = build_processor(**processor_spec)
-    startup.mark("processor")
-    forbidden = processor.forbidden_token_ids if cfg.rollout.forbid_vision_tokens else []
-    sampling = SamplingConfig(n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
-                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              forbidden_token_ids=forbidden, seed=None)
     plan = placement_plan(cfg, device)
     llm_kwargs = engine_kwargs(cfg.model.path, cfg.model.dtype.value, cfg.run.seed, cfg.rollout.engine_args,
                                min_pixels=cfg.processor.min_pixels, max_pixels=cfg.processor.max_pixels)
@@ -126,6 +115,20 @@ def start_runtime(cfg: Config) -> Runtime:
     engines = [RolloutEngine.as_actor(p.ray_options(), {**llm_kwargs, "seed": cfg.run.seed + p.index}, env,
                                       partial=cfg.rollout.partial.value, recompute_kv=cfg.rollout.recompute_kv)
                for p in plan if p.role == "rollout" and vllm_backend]
+    # The engines start first: vLLM's start (an actor, then its engine-core process, each
+    # importing vLLM) is the longest chain of the start-up; everything below runs beside it.
+    starting = {e.ready.remote(): "engines" for e in engines}
+    processor_spec = dict(name=cfg.processor.name, model_path=cfg.model.path, min_pixels=cfg.processor.min_pixels,
+                          max_pixels=cfg.processor.max_pixels, max_prompt_tokens=cfg.processor.max_prompt_tokens,
+                          trust_remote_code=cfg.model.trust_remote_code)
+    # The driver's processor decodes responses for the rewards and declares the media limits;
+    # prompts are processed in the rollout workers.
+    processor = build_processor(**processor_spec)
+    startup.mark("processor")
+    forbidden = processor.forbidden_token_ids if cfg.rollout.forbid_vision_tokens else []
+    sampling = SamplingConfig(n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
+                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              forbidden_token_ids=forbidden, seed=None)
     trainer_opts = next(p for p in plan if p.role == "trainer").ray_options()
     alg = cfg.algorithm
     loss = LossSettings(
@@ -151,10 +154,10 @@ def start_runtime(cfg: Config) -> Runtime:
     if not vllm_backend:
         engines = [TrainerRolloutEngine.as_actor(p.ray_options(), trainers, processor_spec)
                    for p in plan if p.role == "rollout"]
-    # The engines and ranks start now (vLLM's start and DeepSpeed's take seconds each), while the
-    # reward pool below waits for its workers and the rollout workers come up.
-    starting = {ref: "trainer_ranks" for ref in setup_ranks(trainers)}
-    starting.update({e.ready.remote(): "engines" for e in engines})
+        starting.update({e.ready.remote(): "engines" for e in engines})
+    # The ranks start now (DeepSpeed's start takes seconds), while the reward pool below waits
+    # for its workers and the rollout workers come up.
+    starting.update({ref: "trainer_ranks" for ref in setup_ranks(trainers)})
     # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
     rewards = RewardPool([dataclasses.asdict(r) for r in cfg.rewards],
