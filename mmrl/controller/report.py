@@ -231,23 +231,25 @@ def startup_phases(row: dict[str, Any], prefix: str = "startup/") -> dict[str, f
     return {k[len(prefix):-2]: v for k, v in row.items() if k.startswith(prefix) and k.endswith("_s")}
 
 
+def _startup_row(timed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The latest process's first-step row, which carries its start-up metrics ({} if none)."""
+    return next((r for r in reversed(timed) if "startup/total_s" in r), {})
+
+
 def _startup(timed: list[dict[str, Any]]) -> dict[str, float] | None:
     """The latest process's start-up phases (logged with its first step), in order."""
-    row = next((r for r in reversed(timed) if "startup/total_s" in r), None)
-    return startup_phases(row) if row else None
+    return startup_phases(_startup_row(timed)) or None
 
 
 def _startup_cpu(timed: list[dict[str, Any]]) -> dict[str, float] | None:
     """CPU seconds per kind of process up to the end of the latest process's first step, largest first."""
-    row = next((r for r in reversed(timed) if "startup/total_s" in r), None)
-    cpu = startup_phases(row, "startup_cpu/") if row else {}
+    cpu = startup_phases(_startup_row(timed), "startup_cpu/")
     return dict(sorted(cpu.items(), key=lambda kv: -kv[1])) or None
 
 
 def _startup_ready(timed: list[dict[str, Any]]) -> dict[str, float] | None:
     """When each kind of process that starts side by side was up (seconds from the process start), first first."""
-    row = next((r for r in reversed(timed) if "startup/total_s" in r), None)
-    ready = startup_phases(row, "startup_ready/") if row else {}
+    ready = startup_phases(_startup_row(timed), "startup_ready/")
     return dict(sorted(ready.items(), key=lambda kv: kv[1])) or None
 
 
