@@ -8,12 +8,16 @@
     meta.json           the readable part of controller.pt; written last: its presence marks a
                         complete checkpoint
 
-A checkpoint is written to step_N.partial and renamed when complete, so a run killed while
-saving leaves the previous checkpoints intact and never a half one that looks whole.
+A checkpoint is written to step_N.partial, flushed to disk (fsync of every file and folder),
+and renamed when complete, so a run killed (or a machine losing power) while saving leaves the
+previous checkpoints intact and never a half one that looks whole. A same-step checkpoint being
+replaced is set aside as step_N.old first, and a pruned one loses its meta.json first: at every
+instant the listed checkpoints are whole. remove_leftovers() tidies what a kill left mid-way.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
@@ -26,6 +30,14 @@ import torch
 
 CHECKPOINT_DIR = "checkpoints"
 _PREFIX = "step_"
+PARTIAL_SUFFIX = ".partial"  # being written
+REPLACED_SUFFIX = ".old"  # a same-step checkpoint set aside while its replacement is renamed in
+
+
+def _step_of(name: str) -> int | None:
+    """N for a folder named exactly step_N (not step_N.partial, step_N.old)."""
+    digits = name[len(_PREFIX):]
+    return int(digits) if name.startswith(_PREFIX) and digits.isdigit() else None
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -37,9 +49,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / "meta.json").exists()
-            and not p.name.endswith(".partial")]
-    return sorted(done, key=lambda p: int(p.name[len(_PREFIX):]))
+    done = [p for p in root.iterdir() if p.is_dir() and _step_of(p.name) is not None and (p / "meta.json").exists()]
+    return sorted(done, key=lambda p: _step_of(p.name))
 
 
 def latest_checkpoint(run_dir: Path, before_step: int | None = None) -> Path | None:
@@ -71,6 +82,55 @@ def _copy_model_files(model_path: str, dest: Path, trust_remote_code: bool) -> N
     AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(dest)
 
 
+def fsync_path(path: Path) -> None:
+    """Flush one file's or folder's data (a folder: its entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under `root` (and `root`), deepest first. fsync flushes the
+    file, whichever process wrote it: the ranks' files (written by DeepSpeed in the trainer
+    actors) are flushed from the driver too, as ranks and driver write to the same filesystem
+    (the one the checkpoint is loaded from)."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(Path(folder) / name)
+        fsync_path(Path(folder))
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint so that no instant lists it half-deleted: meta.json (what makes it
+    count) goes first; the rest, if a kill interrupts, is a leftover for remove_leftovers()."""
+    (path / "meta.json").unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_leftovers(run_dir: Path) -> list[str]:
+    """Tidy what a run killed while saving or pruning left in RUN_DIR/checkpoints, before a
+    resume: step_N.partial (unfinished), step_N folders without meta.json (an interrupted
+    prune), and step_N.old (the same-step checkpoint that a save set aside: deleted, or renamed
+    back when the kill came before its replacement took the name). Returns what it did."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    done = []
+    for path in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)):
+        complete = (path / "meta.json").exists()
+        original = path.with_name(path.name.removesuffix(REPLACED_SUFFIX))
+        if path.name.endswith(REPLACED_SUFFIX) and complete and not original.exists():
+            path.rename(original)
+            fsync_path(root)
+            done.append(f"restored {original.name}")
+        elif path.name.endswith((PARTIAL_SUFFIX, REPLACED_SUFFIX)) or (_step_of(path.name) is not None and not complete):
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"removed {path.name}")
+    return done
+
+
 def save_checkpoint(run_dir: Path, step: int, trainers: Sequence[Any], controller_state: dict[str, Any], *,
                     model_path: str, trust_remote_code: bool = False, keep_last: int = 2,
                     protect: Path | None = None) -> Path:
@@ -78,7 +138,7 @@ def save_checkpoint(run_dir: Path, step: int, trainers: Sequence[Any], controlle
     (never removing `protect`, the stability guard's last good checkpoint)."""
     t0 = time.time()
     final = checkpoint_dir(run_dir, step)
-    partial = final.with_name(final.name + ".partial")
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     ray.get([t.save_checkpoint.remote(str(partial)) for t in trainers])
@@ -88,11 +148,18 @@ def save_checkpoint(run_dir: Path, step: int, trainers: Sequence[Any], controlle
     meta.update(step=step, model_path=model_path, saved_at=time.strftime("%Y-%m-%d %H:%M:%S"),
                 save_s=round(time.time() - t0, 3))
     (partial / "meta.json").write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
+    fsync_tree(partial)  # everything on disk before the name says "complete"
+    replaced = final.with_name(final.name + REPLACED_SUFFIX)
+    if final.exists():  # a same-step checkpoint (saved again after a rollback): set aside, not deleted yet
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
     partial.rename(final)
+    fsync_path(final.parent)  # the rename itself
+    fsync_path(final.parent.parent)  # the run dir: checkpoints/ may be new
+    shutil.rmtree(replaced, ignore_errors=True)
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         if protect is None or old.resolve() != Path(protect).resolve():
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_checkpoint(old)
     return final
 
 

@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from mmrl.rollout.trainer_engine import TrainerRolloutEngine
 from mmrl.rollout.types import SamplingConfig, Trajectory
 from mmrl.rollout.workers import RolloutWorkers
 from mmrl.trainer.update import LossSettings
-from mmrl.trainer.worker import TrainerSpec, make_trainer_actors, setup_ranks
+from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
 from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
 from mmrl.utils.cpu_clock import ProcessTreeClock
 from mmrl.utils.timing import Milestones, StepSpans
@@ -57,6 +59,9 @@ class Runtime:
     # whose actors are not this process's children: mmrl/utils/cpu_clock.py)
     cpu_clock: ProcessTreeClock | None = None
     startup: Milestones = field(default_factory=Milestones)  # start-up phases, logged with step 1
+    # (MASTER_ADDR, MASTER_PORT) of the trainer ranks' process group: it names their shared-memory
+    # all-reduce buffers, so close() removes this run's and no other run's
+    rendezvous: tuple[str, int] | None = None
 
     def push_weights(self, new_version: bool = True) -> dict[str, float]:
         """Give the engines the trainers' weights (as `weight_version`, bumped first unless
@@ -80,8 +85,18 @@ class Runtime:
         for actor in self.engines + self.trainers:
             ray.kill(actor)
         if self.device == "cpu":
-            cleanup_shm()
+            master_addr, master_port = self.rendezvous or (None, None)
+            cleanup_shm(master_addr, master_port)
         shutil.rmtree(rpc_dir(self.run_dir), ignore_errors=True)
+
+
+def _restore_sigterm_handler(handler: Any) -> None:
+    """ray.init replaces the driver's SIGTERM handler, and its core worker then installs a crash
+    handler that aborts the process on SIGTERM: a scheduler's kill then skipped Runtime.close()
+    (engines, shared-memory buffers left behind). Put back a handler the driver had set (the
+    CLI's unwinds like Ctrl-C)."""
+    if callable(handler) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def start_runtime(cfg: Config) -> Runtime:
@@ -96,11 +111,13 @@ def start_runtime(cfg: Config) -> Runtime:
     apply_env(env)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
+        sigterm_handler = signal.getsignal(signal.SIGTERM)
         if cfg.cluster.ray_address:
             ray.init(address=cfg.cluster.ray_address, runtime_env={"env_vars": env})
         else:
             init_local_ray(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=True)
+        _restore_sigterm_handler(sigterm_handler)
     startup.mark("ray")
 
     plan = placement_plan(cfg, device)
@@ -156,8 +173,10 @@ def start_runtime(cfg: Config) -> Runtime:
                    for p in plan if p.role == "rollout"]
         starting.update({e.ready.remote(): "engines" for e in engines})
     # The ranks start now (DeepSpeed's start takes seconds), while the reward pool below waits
-    # for its workers and the rollout workers come up.
-    starting.update({ref: "trainer_ranks" for ref in setup_ranks(trainers)})
+    # for its workers and the rollout workers come up. This is trainer.worker.setup_ranks, keeping
+    # the port of rank 0's rendezvous: with the address it names the ranks' shm buffers (close()).
+    rendezvous_port = trainers[0].open_rendezvous.remote()
+    starting.update({t.setup.remote(rendezvous_port): "trainer_ranks" for t in trainers})
     # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
     rewards = RewardPool([dataclasses.asdict(r) for r in cfg.rewards],
@@ -179,7 +198,7 @@ def start_runtime(cfg: Config) -> Runtime:
     return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
                    sampling=sampling, engines=engines, workers=workers, trainers=trainers,
                    monitor=EngineMonitor(engines), cpu_clock=None if cfg.cluster.ray_address else ProcessTreeClock(),
-                   startup=startup)
+                   startup=startup, rendezvous=(spec.master_addr, ray.get(rendezvous_port)))
 
 
 def evaluate(rt: Runtime, heldout: list[Sample]) -> dict[str, float]:

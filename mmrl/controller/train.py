@@ -17,7 +17,8 @@ import torch
 from mmrl import registry
 from mmrl.config.schema import Config
 from mmrl.controller.async_rollout import AsyncRollout, run_async_step
-from mmrl.controller.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, truncate_metrics
+from mmrl.controller.checkpoint import (latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint,
+                                       truncate_metrics)
 from mmrl.controller.guard import StabilityGuard
 from mmrl.controller.loop import Runtime, evaluate, run_step, start_runtime
 from mmrl.controller.metrics import MetricsLogger
@@ -110,6 +111,8 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
     guard = StabilityGuard(cfg.stability)
     summary: dict[str, Any] = {"run_dir": str(rt.run_dir), "heldout_curve": [], "rollbacks": []}
     lr_scale, start_step, resume_cursor, wall_offset = 1.0, 1, None, 0.0
+    for done in remove_leftovers(rt.run_dir):  # a save or prune that a kill interrupted
+        print(f"[mmrl] checkpoints: {done} (left by an interrupted save)")
     ckpt = latest_checkpoint(rt.run_dir) if cfg.checkpoint.resume else None
     stream = logger = trace = None
     try:

@@ -1,9 +1,10 @@
 """Process environment for the engines: the same code selects CPU or CUDA settings."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
-import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -150,16 +151,63 @@ def apply_env(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def cleanup_shm(prefix: str = "deepspeed_allreduce_buffer") -> int:
-    """DeepSpeed's CPU shm all-reduce leaves ~66 MB files in /dev/shm after each run; remove ours."""
-    removed = 0
-    shm = Path("/dev/shm")
-    if shm.is_dir():
-        for f in shm.glob(prefix + "*"):
-            try:
-                if f.stat().st_uid == os.getuid():
-                    f.unlink() if f.is_file() else shutil.rmtree(f)
-                    removed += 1
-            except OSError:
-                pass
+# DeepSpeed's CPU shared-memory all-reduce (used when LOCAL_SIZE equals the world size) maps one
+# ~66 MB buffer per rank, named {prefix}_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}
+# (deepspeed/ops/csrc/cpu/comm/shm.cpp: shm_initialize), and never removes them.
+ALLREDUCE_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+SHM_DIR = Path("/dev/shm")
+
+
+def allreduce_buffer_prefix(master_addr: str, master_port: int | str) -> str:
+    """The name of the all-reduce buffers of the process group that met at master_addr:master_port,
+    less the rank. The trailing '_' keeps port 123 from matching port 1234."""
+    return f"{ALLREDUCE_BUFFER_PREFIX}_{os.getuid()}_{master_addr}_{master_port}_"
+
+
+def cleanup_shm(master_addr: str | None = None, master_port: int | None = None, *, orphans: bool = True,
+                shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove this run's DeepSpeed all-reduce buffers: those of its ranks' process group
+    (master_addr:master_port; the ranks are stopped or stopping, and a file unlinked while mapped
+    is freed when they exit). With `orphans`, also this user's other buffers that no process
+    holds (left by a killed run); another live run's buffers are never touched: removing one
+    while its ranks start would hang them. Returns the removed paths."""
+    if not shm_dir.is_dir():
+        return []
+    uid = os.getuid()
+    buffers = sorted(shm_dir.glob(f"{ALLREDUCE_BUFFER_PREFIX}_{uid}_*"))
+    this_run = allreduce_buffer_prefix(master_addr, master_port) if master_port is not None else None
+    doomed = [f for f in buffers if this_run is not None and f.name.startswith(this_run)]
+    if orphans:
+        doomed += [f for f in buffers if f not in doomed and not held_by_any_process(f)]
+    removed = []
+    for f in doomed:
+        try:
+            if f.stat().st_uid == uid:
+                f.unlink()
+                removed.append(str(f))
+        except OSError:
+            pass
     return removed
+
+
+def held_by_any_process(path: Path) -> bool:
+    """Whether any process has `path` open (a descriptor or a mapping), asked of the kernel: it
+    grants a write lease only on a file that no other open file refers to (fcntl(2) F_SETLEASE),
+    whatever the process or PID namespace. /proc/*/maps cannot always tell (some processes' maps
+    are unreadable even to root in a container). DeepSpeed keeps its buffers open read-write and
+    mapped for the life of a rank. True when the kernel cannot say (leases off, not ours, gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: never wait on someone's lease
+    except OSError:
+        return True
+    try:
+        # Should a process open the file in the instant the lease is held, the kernel signals the
+        # holder: SIGIO by default, which would end this process; SIGURG is ignored by default.
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN: another open file exists
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
