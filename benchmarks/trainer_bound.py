@@ -89,7 +89,7 @@ def start_ranks(model_dir: Path, world_size: int, padding_free: bool, pad_id: in
                        env=engine_env(REPO / "runs" / "trainer_bound", "cpu"),
                        padding_free=padding_free)
     ranks = make_trainer_actors(spec, {"num_cpus": 0})
-    ray.get(setup_ranks(ranks))
+    ray.get(setup_ranks(ranks)[0])
     return ranks
 
 

@@ -30,9 +30,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         from mmrl.controller.placement import format_plan, placement_plan
         from mmrl.utils.env import resolve_device
 
-        device = resolve_device(cfg.cluster.device.value)
+        from mmrl.controller.memory_plan import check_memory_plan, describe_memory_plan
+
+        device = resolve_device(cfg.cluster.device.value)  # cluster.device=cuda plans for GPUs absent here
         print("# resolved config\n" + to_yaml(cfg))
         print(f"# placement (device: {device})\n" + format_plan(placement_plan(cfg, device)))
+        text, plan = describe_memory_plan(cfg, device)
+        print(f"# memory plan (device: {device}; estimates, docs/training.md#large-models)\n" + text, flush=True)
+        if plan is not None:
+            check_memory_plan(plan)  # a plan that cannot fit stops here, naming the biggest term and the fix
         return 0
     import signal
 
@@ -326,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train from a YAML config, with key=value overrides")
     p.add_argument("config", help="YAML config file, e.g. configs/colors_demo.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8 trainer.lr=1e-3")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the process placement")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config, the process placement and "
+                                                          "the memory plan (refused when it cannot fit)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("serve-rollout", help="serve the config's rollout engines as an OpenAI-compatible, "

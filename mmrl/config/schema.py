@@ -54,6 +54,10 @@ class ClusterConfig:
     # small CPU box they may share cores; on GPU each actor takes one device.
     rollout_cpus_per_engine: float = 1.0
     trainer_cpus_per_rank: float = 0.5
+    # Memory of one accelerator in GiB, for the memory plan `mmrl train --dry-run` prints
+    # (mmrl/controller/memory_plan.py): a plan that does not fit is refused. null = ask torch.cuda
+    # on this machine; with no GPU here the plan is printed without a fit check.
+    gpu_memory_gb: Optional[float] = None
 
 
 @dataclass
@@ -346,6 +350,17 @@ class TrainerConfig:
     # by default; it pays where padding dominates and rows stay short.
     padding_free: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Large models (mmrl/trainer/model_setup.py, docs/training.md "Large models"). The vision
+    # encoder gets requires_grad=False before DeepSpeed wraps the model: no gradients, no optimizer
+    # state, unchanged weights (still sent to the engines by the weight sync). The projector that
+    # maps its features into the text model (Qwen's merger, LLaVA/InternVL's multi_modal_projector)
+    # keeps training unless freeze_projector is set too.
+    freeze_vision_tower: bool = False
+    freeze_projector: bool = False
+    # Recompute each decoder layer's activations in the backward instead of keeping them
+    # (transformers' gradient checkpointing, use_reentrant=False): the same gradients for about one
+    # more forward of compute; the vision tower too when it is trained.
+    gradient_checkpointing: bool = False
     # Merged over mmrl's ZeRO-3 defaults (mmrl.trainer.deepspeed_config).
     deepspeed: dict[str, Any] = field(default_factory=dict)
 

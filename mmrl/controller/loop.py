@@ -34,7 +34,7 @@ from mmrl.rollout.trainer_engine import TrainerRolloutEngine
 from mmrl.rollout.types import SamplingConfig, Trajectory
 from mmrl.rollout.workers import RolloutWorkers
 from mmrl.trainer.update import LossSettings
-from mmrl.trainer.worker import TrainerSpec, make_trainer_actors
+from mmrl.trainer.worker import TrainerSpec, make_trainer_actors, setup_ranks
 from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
 from mmrl.utils.cpu_clock import ProcessTreeClock
 from mmrl.utils.timing import Milestones, StepSpans
@@ -166,17 +166,18 @@ def start_runtime(cfg: Config) -> Runtime:
         loss=loss, seed=cfg.run.seed, env=env, trust_remote_code=cfg.model.trust_remote_code,
         reference_model=needs_reference(cfg), padding_free=cfg.trainer.padding_free, processor=cfg.processor.name,
         lora={"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-              "target_modules": list(lora.target_modules)} if lora.enabled else None)
+              "target_modules": list(lora.target_modules)} if lora.enabled else None,
+        freeze_vision_tower=cfg.trainer.freeze_vision_tower, freeze_projector=cfg.trainer.freeze_projector,
+        gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     trainers = make_trainer_actors(spec, trainer_opts)
     if not vllm_backend:
         engines = [TrainerRolloutEngine.as_actor(p.ray_options(), trainers, processor_spec)
                    for p in plan if p.role == "rollout"]
         starting.update({e.ready.remote(): "engines" for e in engines})
     # The ranks start now (DeepSpeed's start takes seconds), while the reward pool below waits
-    # for its workers and the rollout workers come up. This is trainer.worker.setup_ranks, keeping
-    # the port of rank 0's rendezvous: with the address it names the ranks' shm buffers (close()).
-    rendezvous_port = trainers[0].open_rendezvous.remote()
-    starting.update({t.setup.remote(rendezvous_port): "trainer_ranks" for t in trainers})
+    # for its workers and the rollout workers come up.
+    rank_setups, rendezvous_port = setup_ranks(trainers)
+    starting.update({ref: "trainer_ranks" for ref in rank_setups})
     # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
     rewards = RewardPool([dataclasses.asdict(r) for r in cfg.rewards],

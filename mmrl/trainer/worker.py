@@ -23,6 +23,7 @@ import torch
 from mmrl.trainer.batch import TrainSequence, collate, resolve_prompts
 from mmrl.trainer.deepspeed_config import build_deepspeed_config
 from mmrl.trainer.generate import GenerationRequest
+from mmrl.trainer.model_setup import checkpointing_paused, enable_gradient_checkpointing, freeze_vision
 from mmrl.trainer.plan import StepInputs, filler_for
 from mmrl.trainer.update import SUM_KEYS, LossSettings, micro_batch_loss
 
@@ -52,6 +53,10 @@ class TrainerSpec:
     lora: dict[str, Any] | None = None  # {rank, alpha, dropout, target_modules}; None = full fine-tuning
     padding_free: bool = False  # micro-batches as one packed row (trainer.padding_free)
     processor: str = "auto"  # the family adapter (processor.name): its class hooks run the vision tower
+    # trainer.freeze_vision_tower / freeze_projector / gradient_checkpointing (trainer/model_setup.py)
+    freeze_vision_tower: bool = False
+    freeze_projector: bool = False
+    gradient_checkpointing: bool = False
 
 
 class TrainerWorker:
@@ -120,12 +125,17 @@ class TrainerWorker:
             return m
 
         model = load()
+        if spec.gradient_checkpointing:  # on the HF model: peft wraps it next
+            enable_gradient_checkpointing(model, skip_vision_tower=spec.freeze_vision_tower)
         if spec.lora:
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(
                 r=spec.lora["rank"], lora_alpha=spec.lora["alpha"], lora_dropout=spec.lora["dropout"],
                 target_modules=list(spec.lora["target_modules"]), bias="none"))
+        # After peft, so that adapters it put inside the tower (LLaVA's CLIP has q/k/v_proj) freeze
+        # too; before the optimizer, so that frozen parameters get no optimizer state.
+        frozen = freeze_vision(model, tower=spec.freeze_vision_tower, projector=spec.freeze_projector)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
@@ -140,7 +150,7 @@ class TrainerWorker:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
         self._setup_info = {"rank": self.rank, "setup_s": time.time() - t0, "params": n_params,
-                            "trainable": n_trainable, "pid": os.getpid()}
+                            "trainable": n_trainable, "frozen_vision_tensors": len(frozen), "pid": os.getpid()}
         return self._setup_info
 
     def setup_info(self) -> dict[str, Any]:
@@ -240,10 +250,11 @@ class TrainerWorker:
         decode = None
         if any(r.sampling.stop for r in requests):
             decode = self._tokenizer().decode
-        generated = sample_responses(
-            self.engine, requests,
-            pad_id=self.spec.pad_token_id, eos_token_ids=eos_token_ids, all_done=all_done, decode=decode,
-            prefill_context=lambda mm: self.vision_aligned(self.engine, mm))
+        with checkpointing_paused(self.engine.module):  # sampling needs the KV cache checkpointing drops
+            generated = sample_responses(
+                self.engine, requests,
+                pad_id=self.spec.pad_token_id, eos_token_ids=eos_token_ids, all_done=all_done, decode=decode,
+                prefill_context=lambda mm: self.vision_aligned(self.engine, mm))
         seqs = [TrainSequence(prompt_ids=r.prompt_ids, positions_AP=r.positions_AP, next_position=r.next_position,
                               mm_inputs=r.mm_inputs, response_ids=g.token_ids, behaviour_logprobs=[0.0] * len(g.token_ids),
                               loss_mask=[1] * len(g.token_ids)) for r, g in zip(requests, generated)]
@@ -380,8 +391,15 @@ class TrainerWorker:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            import deepspeed.comm
+
             dist.barrier()
-            dist.destroy_process_group()
+            # through DeepSpeed, which also drops the groups it cached (its world-group clone):
+            # a later rank in the same process would otherwise get the destroyed ones
+            if deepspeed.comm.is_initialized():
+                deepspeed.comm.destroy_process_group()
+            else:  # setup failed before DeepSpeed adopted the group
+                dist.destroy_process_group()
 
 
 def make_trainer_actors(spec: TrainerSpec, options: dict[str, Any]) -> list[Any]:
@@ -389,8 +407,9 @@ def make_trainer_actors(spec: TrainerSpec, options: dict[str, Any]) -> list[Any]
     return [actor_cls.options(**options).remote(rank, spec) for rank in range(spec.world_size)]
 
 
-def setup_ranks(ranks: Sequence[Any]) -> list[Any]:
+def setup_ranks(ranks: Sequence[Any]) -> tuple[list[Any], Any]:
     """Start every rank's setup without waiting: rank 0 opens the rendezvous and its port
-    reaches the others as an object ref, so the driver goes on while the ranks start."""
+    reaches the others as an object ref, so the driver goes on while the ranks start. Returns
+    the setups' refs and the port's ref (with the address it names the ranks' shm buffers)."""
     port = ranks[0].open_rendezvous.remote()
-    return [r.setup.remote(port) for r in ranks]
+    return [r.setup.remote(port) for r in ranks], port
