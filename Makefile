@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast bench assets clean-runs
+.PHONY: setup demo test test-fast test-learning bench assets clean-runs
 
 setup: $(STAMP)
 
@@ -35,6 +35,9 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-learning: setup  # every task config learns (tests/test_task_configs.py): about an hour per task on 2 cores
+	$(PY) -m pytest -q -m learning $(PYTEST_ARGS)
 
 # every benchmark in its quick version (writes to runs/bench-quick, not benchmarks/results)
 bench: setup assets

@@ -28,10 +28,14 @@ starts from the same weights and sees the same batches. Conditions:
   image_pair        first and last frame as two images of one prompt (no video path): separates
                     "cannot see motion" from "the video path (temporal patches) loses it"
   frames8           decode with num_frames=8 (4 temporal patches instead of 2)
+  frames2           decode with num_frames=2: the first and last frame in ONE temporal patch, so
+                    the vision tower's 3-D patch embedding sees both ends of the path in one
+                    patch (motion becomes a local, linear feature instead of a relation between
+                    two tokens)
   colour            positive control: the same clips, answer = the shape's colour (6 words): does
                     the probe learn a static visual property through the same video path?
 
-`main` and `frames8` are also scored on the held-out clips reversed in time with the TRUE label
+`main`, `frames8` and `frames2` are also scored on the held-out clips reversed in time with the TRUE label
 (`heldout_reversed`): a model that reads order gets those wrong (~0 accuracy, axis still right).
 
 Also checks, on held-out samples, that frame order survives decode -> processor: the processor's
@@ -65,7 +69,9 @@ REPO = Path(__file__).resolve().parents[1]
 DIRECTIONS = ("left", "right", "up", "down")
 OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
 AXIS = {"left": 0, "right": 0, "up": 1, "down": 1}
-CONDITIONS = ("main", "reversed_flipped", "shuffled", "first_frame", "image_pair", "frames8", "colour")
+CONDITIONS = ("main", "reversed_flipped", "shuffled", "first_frame", "image_pair", "frames8", "frames2", "colour")
+# conditions that decode another number of frames (data.decode.num_frames) than the default
+DECODED_FRAMES = {"frames8": 8, "frames2": 2}
 # the answer words of a condition (argmax over these); the direction conditions use DIRECTIONS
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange")
 WORDS = {"colour": COLOURS}
@@ -127,7 +133,7 @@ def transform(condition: str, sample: Any, seed: int) -> tuple[Any, str]:
     from mmrl.data.sample import messages_from_prompt
 
     frames, label = sample.videos[0].frames, sample.answer
-    if condition in ("main", "frames8"):
+    if condition == "main" or condition in DECODED_FRAMES:
         return sample, label
     if condition == "colour":
         return sample, sample.metadata["colour"]
@@ -368,14 +374,15 @@ def main() -> None:
     for cond in args.conditions:
         log(f"== {cond}")
         t0 = time.time()
-        if cond == "frames8":
-            tr_s = load_split(data, info, "train", processor, num_frames=8)
-            he_s = load_split(data, info, "heldout", processor, num_frames=8)
+        if cond in DECODED_FRAMES:
+            n = DECODED_FRAMES[cond]
+            tr_s = load_split(data, info, "train", processor, num_frames=n, min_frames=min(n, 4))
+            he_s = load_split(data, info, "heldout", processor, num_frames=n, min_frames=min(n, 4))
         else:
             tr_s, he_s = splits["train"], splits["heldout"]
         train = process_all(processor, tr_s, cond, args.seed)
         evals = {"heldout": process_all(processor, he_s, cond, args.seed)}
-        if cond in ("main", "frames8"):
+        if cond == "main" or cond in DECODED_FRAMES:
             evals["heldout_reversed"] = process_all(processor, he_s, "reversed_true_label", args.seed)
         prep_s = time.time() - t0
         answer_ids = [token[w] for w in WORDS.get(cond, DIRECTIONS)]

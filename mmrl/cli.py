@@ -22,10 +22,24 @@ def _parse_kv(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _check_rewards(cfg: Any) -> None:
+    """Resolve the config's rewards and check their args (names, YAML booleans for text) before
+    Ray starts: a typo then costs a second, not an engine start-up."""
+    import dataclasses
+
+    from mmrl.rewards.base import RewardSet
+
+    try:
+        RewardSet([dataclasses.asdict(r) for r in cfg.rewards])
+    except ValueError as e:
+        raise SystemExit(f"mmrl: error: {e}") from None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from mmrl.config import load_config, to_yaml
 
     cfg = load_config(args.config, args.overrides)
+    _check_rewards(cfg)
     if args.dry_run:
         from mmrl.controller.placement import format_plan, placement_plan
         from mmrl.utils.env import resolve_device

@@ -431,3 +431,22 @@ def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
     wrong = episode([str((marks[0] + 1) % 3), str(marks[1])])
     assert not wrong.tool_state["success"] and wrong.tool_state["progress"] == 0.0
     assert tool_success(wrong.tool_state, wrong.transcript, **reward["args"])["score"] == pytest.approx(0.1)
+
+
+def test_counting_grid_layout_puts_one_shape_per_cell(tmp_path):
+    """layout=grid (the tiny model's counting config): every shape inside its own 28-px cell, so each
+    merged image token holds a whole shape or none; the pixels still show `count` separate shapes."""
+    counting.build(str(tmp_path), train_size=40, heldout_size=4, shard_size=100, layout="grid")
+    for key, m in read_split(str(tmp_path), "train").items():
+        rec = json.loads(m["json"])
+        boxes = rec["metadata"]["boxes"]
+        cells = {(x1 // 28, y1 // 28) for x1, y1, _, _ in boxes}
+        assert len(cells) == len(boxes) == rec["metadata"]["count"], key
+        for x1, y1, x2, y2 in boxes:  # inside its cell, one pixel from the edge
+            assert x1 % 28 >= 1 and y1 % 28 >= 1 and (x2 - 1) // 28 == x1 // 28 and (y2 - 1) // 28 == y1 // 28
+        img = np.asarray(Image.open(io.BytesIO(m["png"])))
+        assert len(components(saturated(img))) == rec["metadata"]["count"], key
+    with pytest.raises(ValueError, match="grid_cells"):
+        counting.build(str(tmp_path), train_size=2, heldout_size=2, layout="grid", grid_cells=2)
+    with pytest.raises(ValueError, match="layout"):
+        counting.build(str(tmp_path), train_size=2, heldout_size=2, layout="rows")

@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from mmrl.registry import PluginError, resolve
 from mmrl.rewards import AVAILABLE_KEYS, RewardError, RewardSet, call_reward, reward_kwargs
 from mmrl.plugins.rewards.answer import answer_match
 from mmrl.plugins.rewards.colour import detect_colour, shape_colour
+
+REPO = Path(__file__).resolve().parents[1]
 
 # The palette of data/recipes/colors.py (written here so a palette change is a visible diff).
 PALETTE = {
@@ -229,6 +232,29 @@ def test_reward_set_weights_and_prefixes() -> None:
     out = rs.score(make_sample(render("green", 0), answer="red"), "red", [1])
     assert out["score"] == pytest.approx(0.5) and out["shape_colour/score"] == 0.0
     assert rs(make_sample(render("green", 0), answer="red"), "green", []) ["score"] == 1.0
+
+
+def test_yaml_booleans_where_a_reward_expects_text_are_refused_before_the_run(tmp_path) -> None:
+    """`words: [yes, no]` in YAML is [True, False]: the format credit would silently never pay
+    (it happened: configs/multi_image.yaml trained 340 steps on answer_match alone). The reward set
+    refuses it naming the fix; `mmrl train` says so before Ray starts, dry run included."""
+    with pytest.raises(ValueError, match=r"'words' = \[True, False\].*quote them"):
+        RewardSet([{"name": "first_word_in", "args": {"words": [True, False]}}])
+    RewardSet([{"name": "first_word_in", "args": {"words": ["yes", "no"]}}])
+    RewardSet([{"name": "answer_match", "args": {"first_word": True}}])  # a bool where a bool is meant
+
+    def takes_optional_text(response: str, *, label: str | None = None) -> float:
+        return 0.0
+    with pytest.raises(ValueError, match="'label' = False"):
+        RewardSet([{"name": takes_optional_text, "args": {"label": False}}])
+
+    src = (REPO / "configs" / "multi_image.yaml").read_text()
+    bad = tmp_path / "bare_yes_no.yaml"
+    bad.write_text(src.replace('["yes", "no"]', "[yes, no]"))
+    assert "[yes, no]" in bad.read_text()
+    proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", str(bad), "--dry-run"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode != 0 and "YAML reads unquoted yes/no" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_reward_set_rejects_bad_config_early() -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 from mmrl.data.sample import Sample
 from mmrl.registry import resolve
 from mmrl.rewards.calling import (AVAILABLE_KEYS, RewardError, _fn_name, _params, _to_float, call_reward,
-                                  call_single)
+                                  call_single, yaml_boolean_problem)
 from mmrl.rewards.variants import RewardTraits, reward, traits_of
 
 __all__ = ["RewardError", "AVAILABLE_KEYS", "call_reward", "reward_kwargs", "RewardSet", "reward",
@@ -124,6 +124,10 @@ class RewardSet:
                 if unknown:
                     raise ValueError(f"reward {e['label']!r}: args {unknown} are not parameters of "
                                      f"{_fn_name(fn)} (it takes: {', '.join(sorted(names))})")
+            for name, value in e["args"].items():
+                problem = yaml_boolean_problem(fn, name, value)
+                if problem:
+                    raise ValueError(f"reward {e['label']!r}: {problem}")
             missing = sorted(required - set(AVAILABLE_KEYS) - set(e["args"]))
             if missing:
                 raise ValueError(f"reward {e['label']!r}: {_fn_name(fn)} requires {missing}, which is "

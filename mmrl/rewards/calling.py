@@ -11,17 +11,20 @@ anything unusable raises `RewardError` naming the plugin.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import functools
 import inspect
 import math
 import numbers
 import threading
+import types
+import typing
 from typing import Any, Callable, Mapping, Sequence
 
 from mmrl.rewards.variants import traits_of
 
 __all__ = ["AVAILABLE_KEYS", "RewardError", "CallTimeout", "call_reward", "call_single", "call_batch",
-           "gather_async", "run_coroutine"]
+           "gather_async", "run_coroutine", "yaml_boolean_problem"]
 
 AVAILABLE_KEYS = ("response", "response_ids", "answer", "images", "videos", "prompt", "messages",
                   "sample", "metadata", "transcript", "tool_state")
@@ -68,6 +71,38 @@ def _params(fn: Any, label: str) -> tuple[bool, frozenset[str], frozenset[str]]:
     except ValueError as e:  # builtins without a signature
         raise RewardError(f"reward {label!r}: cannot inspect its signature ({e}); wrap it in a "
                           f"Python function that takes keyword arguments") from e
+
+
+_TEXT_COLLECTIONS = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Iterable,
+                     collections.abc.Collection, collections.abc.Set)
+
+
+def _expects_text(hint: Any) -> bool:
+    """str, a collection of str, or an Optional/Union holding one of those."""
+    if hint is str:
+        return True
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in _TEXT_COLLECTIONS:
+        return bool(args) and args[0] is str
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and any(_expects_text(a) for a in args)
+
+
+def yaml_boolean_problem(fn: Any, name: str, value: Any) -> str | None:
+    """YAML 1.1 (the config loader's) reads unquoted yes/no/on/off/true/false as booleans, so
+    `words: [yes, no]` arrives as [True, False]. When the reward annotates `name` as text (str or a
+    collection of str) and `value` holds a bool, the message that says so; else None."""
+    try:
+        hint = typing.get_type_hints(fn).get(name)
+    except Exception:  # a callable object, an unresolvable annotation: nothing to check against
+        return None
+    if hint is None or not _expects_text(hint):
+        return None
+    items = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+    if not any(isinstance(v, bool) for v in items):
+        return None
+    return (f"arg {name!r} = {value!r} holds a boolean where {_fn_name(fn)} expects text: YAML reads "
+            f"unquoted yes/no/on/off/true/false as booleans; quote them in the config "
+            f"(e.g. words: [\"yes\", \"no\"])")
 
 
 def _to_float(x: Any) -> float | None:
