@@ -16,79 +16,46 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from _plots import accuracy_axes, panels, save  # noqa: E402
-from mmrl.models.tiny_vlm import DEFAULT_WORDS  # noqa: E402
+from _train_runs import curve_summary, ensure_assets, read_rows, train  # noqa: E402
 
-COLOURS = "red,green,blue,yellow,purple,orange"
-# What each config's header says to build: (data build args, tiny-model words).
-ASSETS = {
-    "zoom_read": (["zoom_read", "--out", "work/data/zoom_read"], "work/tiny-vlm-zoom", f"{COLOURS},zoom"),
-    "gui_click": (["gui_click", "--out", "work/data/gui_click", "marks=true"], "work/tiny-vlm-gui",
-                  ",".join(DEFAULT_WORDS) + ",click,file,edit,view,new,open,save,print,undo,copy,paste,find,zoom"),
-}
+TASKS = ("zoom_read", "gui_click")
 NO_TOOLS = ["rollout.agent_loop_args.tools=[]", "rollout.agent_loop_args.tool_choice=auto"]
 
 
-def mmrl(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "mmrl.cli", *args], cwd=REPO, check=True,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
-
-
-def ensure_assets(task: str) -> None:
-    build, model, words = ASSETS[task]
-    if not (REPO / build[2] / "dataset.json").exists():
-        mmrl("data", "build", *build)
-    if not (REPO / model / "config.json").exists():
-        mmrl("tiny-model", "--arch", "qwen2_5_vl", "--out", model, "--words", words)
-
-
 def run(task: str, arm: str, seed: int, target: float, max_steps: int, extra: list[str], out_root: Path) -> dict:
-    run_dir = out_root / f"{task}-{arm}-seed{seed}"
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume from an old checkpoint
-    overrides = [f"run.seed={seed}", f"run.output_dir={run_dir}", f"run.max_steps={max_steps}",
-                 "run.time_limit_s=7200", "logging.progress_bar=false", "logging.console_every=25"]
-    if arm == "tools":
-        overrides.append(f"run.stop_at_heldout_accuracy={target}")
-    else:
-        overrides += NO_TOOLS
-    cmd = [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / f"{task}.yaml"), *overrides, *extra]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    total = time.time() - t0
-    (out_root / f"{run_dir.name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 and not (run_dir / "metrics.jsonl").exists():
-        raise SystemExit(f"{run_dir.name} failed (exit {proc.returncode}); see {out_root}/{run_dir.name}.log")
-    command = " ".join(["mmrl", "train", f"configs/{task}.yaml", *overrides[:1], *overrides[6:], *extra])
-    return summarise(run_dir, task, arm, seed, target, command, total, proc.returncode)
+    name = f"{task}-{arm}-seed{seed}"
+    overrides = [f"run.seed={seed}", f"run.max_steps={max_steps}", "run.time_limit_s=7200"]
+    overrides += [f"run.stop_at_heldout_accuracy={target}"] if arm == "tools" else NO_TOOLS
+    rows, total, exit_code = train(REPO / "configs" / f"{task}.yaml", out_root / name, [*overrides, *extra],
+                                   out_root / f"{name}.log")
+    command = " ".join(["mmrl", "train", f"configs/{task}.yaml", *overrides[:1], *overrides[3:], *extra])
+    return summarise(rows, task, arm, seed, target, command, total, exit_code)
 
 
-def summarise(run_dir: Path, task: str, arm: str, seed: int, target: float, command: str,
+def summarise(rows: list[dict], task: str, arm: str, seed: int, target: float, command: str,
               total_s: float | None, exit_code: int | None) -> dict:
-    """One run's record from its metrics.jsonl. A run that exited non-zero (stopped by hand, or
+    """One run's record from its metric rows. A run that exited non-zero (stopped by hand, or
     crashed after some steps) is kept as what it reached, with its exit code."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    curve = [(r["step"], r["eval/heldout_accuracy"], r["time/wall_s"]) for r in rows if "eval/heldout_accuracy" in r]
-    hit = next(((s, w) for s, a, w in curve if a >= target), None)
+    s = curve_summary(rows, target)
     calls = [r["agent/tool_calls"] for r in rows if "agent/tool_calls" in r]
     return {"task": task, "arm": arm, "seed": seed, "command": command, "exit_code": exit_code,
-            "curve": curve, "steps_to_target": hit[0] if hit else None,
-            "train_wall_to_target_s": hit[1] if hit else None, "total_wall_s": total_s,
-            "final_success": curve[-1][1], "best_success": max(a for _, a, _ in curve),
-            "steps": rows[-1]["step"], "mean_tool_calls_last_10": sum(calls[-10:]) / max(1, len(calls[-10:])),
-            "mean_step_s": sum(r.get("time/step_s", 0.0) for r in rows) / max(1, len(rows) - 1)}
+            "curve": s["curve"], "steps_to_target": s["steps_to_target"],
+            "train_wall_to_target_s": s["train_wall_to_target_s"], "total_wall_s": total_s,
+            "final_success": s["final"], "best_success": s["best"], "steps": s["steps"],
+            "mean_tool_calls_last_10": sum(calls[-10:]) / max(1, len(calls[-10:])),
+            "mean_step_s": s["mean_step_s"]}
 
 
 def plot(results: list[dict], target: float, path: Path) -> None:
-    tasks = sorted({r["task"] for r in results}, key=list(ASSETS).index)
+    tasks = sorted({r["task"] for r in results}, key=list(TASKS).index)
+    if not tasks:
+        return
     fig, axes = panels(1, len(tasks))
     for ax, task in zip(axes[0], tasks):
         for r in (r for r in results if r["task"] == task):
@@ -101,7 +68,7 @@ def plot(results: list[dict], target: float, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", nargs="+", default=list(ASSETS), choices=list(ASSETS))
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--arms", nargs="+", default=["tools", "no_tools"], choices=["tools", "no_tools"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--target", type=float, default=0.9)
@@ -119,14 +86,14 @@ def main() -> None:
     results = json.loads(path.read_text())["runs"] if args.merge and path.exists() else []
     for task in args.tasks:
         if not args.collect:
-            ensure_assets(task)
+            ensure_assets(REPO / "configs" / f"{task}.yaml")
         for arm in args.arms:
             for seed in args.seeds:
                 if args.collect:
                     run_dir = runs_root / f"{task}-{arm}-seed{seed}"
                     if not (run_dir / "metrics.jsonl").exists():
                         continue
-                    r = summarise(run_dir, task, arm, seed, args.target, f"(collected from disk: {run_dir.relative_to(REPO)}/config.yaml)", None, None)
+                    r = summarise(read_rows(run_dir), task, arm, seed, args.target, f"(collected from disk: {run_dir.relative_to(REPO)}/config.yaml)", None, None)
                 else:
                     r = run(task, arm, seed, args.target, args.max_steps, args.overrides, runs_root)
                 results = [x for x in results if (x["task"], x["arm"], x["seed"]) != (task, arm, seed)] + [r]
