@@ -68,6 +68,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mmrl.config import load_config
+    from mmrl.serve import serve
+
+    cfg = load_config(args.config, args.overrides)
+    serve(cfg, host=args.host, port=args.port)
+    return 0
+
+
 def cmd_serve_rollout(args: argparse.Namespace) -> int:
     from mmrl.config import load_config
     from mmrl.rollout.serve import serve_rollout
@@ -349,6 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the resolved config, the process placement and "
                                                           "the memory plan (refused when it cannot fit)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("serve", help="a Tinker API server (the official tinker SDK drives it): LoRA training "
+                                      "and sampling of the config's model (docs/serve.md)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--host", default=None, help="default: serve.host")
+    p.add_argument("--port", type=int, default=None, help="default: serve.port; 0 = any free port (printed)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("serve-rollout", help="serve the config's rollout engines as an OpenAI-compatible, "
                                               "token-recording endpoint for outside agents")

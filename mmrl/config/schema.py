@@ -427,6 +427,33 @@ class LoggingConfig:
     rollouts_per_step: int = 4
 
 
+class ServeSampler(str, Enum):
+    vllm = "vllm"
+    trainer = "trainer"
+
+
+@dataclass
+class ServeConfig:
+    """`mmrl serve CONFIG`: a Tinker-API server (docs/serve.md). The model is `model.path`; API
+    keys come from MMRL_API_KEYS and/or `api_keys_file`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # The name clients pass as base_model (get_server_capabilities lists it); null = model.path.
+    model_name: Optional[str] = None
+    # Checkpoints and, by default, the SQLite database live here.
+    store_dir: str = "runs/serve"
+    # Any SQLAlchemy URL (e.g. postgresql://...); null = sqlite:///<store_dir>/serve.db
+    db_url: Optional[str] = None
+    api_keys_file: Optional[str] = None
+    # vllm: mmrl's rollout engine with each checkpoint merged in place; trainer: transformers
+    # sampling in the server process (no vLLM; for tests and debugging).
+    sampler: ServeSampler = ServeSampler.vllm
+    max_lora_rank: int = 64
+    # LoRA alpha; null = the rank each client asks for (scaling 1).
+    lora_alpha: Optional[float] = None
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -444,3 +471,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)

@@ -1,0 +1,174 @@
+"""What the server records, in SQL through SQLAlchemy (a SQLite file by default, any SQLAlchemy
+URL via `serve.db_url`): sessions, models (training runs), futures and their results, sampling
+sessions and checkpoints. Every row carries the owner (a hash of the API key, never the key), and
+every read filters by it, so one key cannot see another key's rows.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from sqlalchemy import (Column, Float, Integer, LargeBinary, MetaData, String, Table, Text, create_engine,
+                        insert, select, update)
+
+metadata = MetaData()
+
+sessions = Table(
+    "sessions", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), index=True, nullable=False),
+    Column("sdk_version", String(64)),
+    Column("created", Float, nullable=False),
+    Column("last_heartbeat", Float, nullable=False),
+)
+models = Table(
+    "models", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), index=True, nullable=False),
+    Column("session_id", String(64)),
+    Column("base_model", Text, nullable=False),
+    Column("lora_rank", Integer, nullable=False),
+    Column("config_json", Text, nullable=False),
+    Column("status", String(16), nullable=False),  # creating | ready | failed | unloaded
+    Column("created", Float, nullable=False),
+)
+futures = Table(
+    "futures", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), index=True, nullable=False),
+    Column("model_id", String(64)),
+    Column("kind", String(32), nullable=False),
+    Column("status", String(16), nullable=False),  # pending | done | failed
+    Column("content_type", String(64)),
+    Column("result", LargeBinary),
+    Column("error", Text),
+    Column("category", String(16)),
+    Column("created", Float, nullable=False),
+    Column("finished", Float),
+)
+sampling_sessions = Table(
+    "sampling_sessions", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), index=True, nullable=False),
+    Column("checkpoint", Text),  # tinker:// path of the weights; null = the base model
+    Column("base_model", Text, nullable=False),
+    Column("created", Float, nullable=False),
+)
+checkpoints = Table(
+    "checkpoints", metadata,
+    Column("path", String(512), primary_key=True),  # tinker://<model_id>/<kind>/<name>
+    Column("owner", String(64), index=True, nullable=False),
+    Column("model_id", String(64), nullable=False),
+    Column("kind", String(16), nullable=False),  # sampler | state
+    Column("name", String(256), nullable=False),
+    Column("file", Text, nullable=False),
+    Column("created", Float, nullable=False),
+)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+class Store:
+    def __init__(self, url: str):
+        kwargs: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False}
+        self.engine = create_engine(url, **kwargs)
+        metadata.create_all(self.engine)
+
+    def _insert(self, table: Table, **row: Any) -> None:
+        with self.engine.begin() as c:
+            c.execute(insert(table).values(**row))
+
+    def _one(self, table: Table, owner: str, key: str, value: str) -> dict[str, Any] | None:
+        with self.engine.connect() as c:
+            row = c.execute(select(table).where(table.c[key] == value, table.c.owner == owner)).mappings().first()
+        return dict(row) if row else None
+
+    # sessions
+    def add_session(self, owner: str, sdk_version: str | None) -> str:
+        sid, now = new_id("session"), time.time()
+        self._insert(sessions, id=sid, owner=owner, sdk_version=sdk_version, created=now, last_heartbeat=now)
+        return sid
+
+    def heartbeat(self, owner: str, session_id: str) -> bool:
+        with self.engine.begin() as c:
+            r = c.execute(update(sessions).where(sessions.c.id == session_id, sessions.c.owner == owner)
+                          .values(last_heartbeat=time.time()))
+        return r.rowcount > 0
+
+    def session(self, owner: str, session_id: str) -> dict[str, Any] | None:
+        return self._one(sessions, owner, "id", session_id)
+
+    # models
+    def add_model(self, owner: str, session_id: str, base_model: str, rank: int, config_json: str) -> str:
+        mid = new_id("model")
+        self._insert(models, id=mid, owner=owner, session_id=session_id, base_model=base_model, lora_rank=rank,
+                     config_json=config_json, status="creating", created=time.time())
+        return mid
+
+    def set_model_status(self, model_id: str, status: str) -> None:
+        with self.engine.begin() as c:
+            c.execute(update(models).where(models.c.id == model_id).values(status=status))
+
+    def model(self, owner: str, model_id: str) -> dict[str, Any] | None:
+        return self._one(models, owner, "id", model_id)
+
+    def list_models(self, owner: str) -> list[dict[str, Any]]:
+        with self.engine.connect() as c:
+            return [dict(r) for r in c.execute(select(models).where(models.c.owner == owner)
+                                               .order_by(models.c.created)).mappings()]
+
+    # futures
+    def add_future(self, owner: str, model_id: str | None, kind: str) -> str:
+        fid = new_id("req")
+        self._insert(futures, id=fid, owner=owner, model_id=model_id, kind=kind, status="pending", created=time.time())
+        return fid
+
+    def finish_future(self, future_id: str, *, result: bytes | None = None, content_type: str | None = None,
+                      error: str | None = None, category: str | None = None) -> None:
+        status = "failed" if error is not None else "done"
+        with self.engine.begin() as c:
+            c.execute(update(futures).where(futures.c.id == future_id).values(
+                status=status, result=result, content_type=content_type, error=error, category=category,
+                finished=time.time()))
+
+    def future(self, owner: str, future_id: str) -> dict[str, Any] | None:
+        return self._one(futures, owner, "id", future_id)
+
+    def fail_pending(self, reason: str) -> int:
+        """Futures left pending by a server that stopped: they will never finish."""
+        with self.engine.begin() as c:
+            r = c.execute(update(futures).where(futures.c.status == "pending").values(
+                status="failed", error=reason, category="server", finished=time.time()))
+        return r.rowcount
+
+    # sampling sessions
+    def add_sampling_session(self, owner: str, checkpoint: str | None, base_model: str) -> str:
+        sid = new_id("sampler")
+        self._insert(sampling_sessions, id=sid, owner=owner, checkpoint=checkpoint, base_model=base_model,
+                     created=time.time())
+        return sid
+
+    def sampling_session(self, owner: str, sid: str) -> dict[str, Any] | None:
+        return self._one(sampling_sessions, owner, "id", sid)
+
+    # checkpoints
+    def add_checkpoint(self, owner: str, path: str, model_id: str, kind: str, name: str, file: str) -> None:
+        with self.engine.begin() as c:
+            c.execute(checkpoints.delete().where(checkpoints.c.path == path))
+            c.execute(insert(checkpoints).values(path=path, owner=owner, model_id=model_id, kind=kind, name=name,
+                                                 file=file, created=time.time()))
+
+    def checkpoint(self, owner: str, path: str) -> dict[str, Any] | None:
+        return self._one(checkpoints, owner, "path", path)
+
+    def list_checkpoints(self, owner: str, model_id: str | None = None) -> list[dict[str, Any]]:
+        q = select(checkpoints).where(checkpoints.c.owner == owner)
+        if model_id is not None:
+            q = q.where(checkpoints.c.model_id == model_id)
+        with self.engine.connect() as c:
+            return [dict(r) for r in c.execute(q.order_by(checkpoints.c.created)).mappings()]

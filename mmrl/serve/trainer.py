@@ -1,0 +1,168 @@
+"""One Tinker training client's model: a peft LoRA on the VLM, trained in this process.
+
+First cut: one in-process rank per training client (no DeepSpeed, no Ray), built like a trainer
+rank builds its model (`AutoModelForImageTextToText.from_pretrained`, peft `get_peft_model`,
+`mmrl.trainer.model_setup.freeze_vision`), so each client has its own adapter and optimizer. The
+Tinker API is per call (forward_backward accumulates gradients, optim_step applies them), which
+the ZeRO-3 ranks' fused update plan does not expose yet; moving this class behind
+`mmrl.trainer.worker` is the next step for models that do not fit one process.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.serve.losses import LOSSES, NOT_YET, LossInputError
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class UserInputError(ValueError):
+    """A request the client got wrong: answered 400 naming `field`."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def lora_targets(model: torch.nn.Module, *, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+    """Full module names of the text model's linear layers that get an adapter (the vision tower
+    never does: it stays frozen)."""
+    suffixes = (ATTN if attn else ()) + (MLP if mlp else ())
+    tied = bool(getattr(model.config, "tie_word_embeddings", False)
+                or getattr(getattr(model.config, "text_config", None), "tie_word_embeddings", False))
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if "language_model" in name and name.rsplit(".", 1)[-1] in suffixes:
+            out.append(name)
+        elif unembed and not tied and name == "lm_head":
+            out.append(name)
+    return out
+
+
+class LoraTrainer:
+    def __init__(self, model_path: str, *, rank: int, alpha: float | None, seed: int | None,
+                 train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True,
+                 dtype: str = "float32", trust_remote_code: bool = False):
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForImageTextToText
+
+        from mmrl.trainer.model_setup import freeze_vision
+
+        torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        base = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch_dtype,
+                                                           trust_remote_code=trust_remote_code)
+        base.config.use_cache = False
+        self.vocab_size = int(base.get_output_embeddings().weight.shape[0])
+        targets = lora_targets(base, attn=train_attn, mlp=train_mlp, unembed=train_unembed)
+        if not targets:
+            raise UserInputError("lora_config: train_attn, train_mlp and train_unembed leave no layer to adapt",
+                                 "lora_config")
+        self.rank, self.alpha = rank, float(alpha if alpha is not None else rank)
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=self.alpha, target_modules=targets,
+                                                      lora_dropout=0.0, bias="none"))
+        freeze_vision(self.model, tower=True, projector=True)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.AdamW | None = None
+        self.steps = 0
+        self.model.train()
+
+    # ---- forward / backward ------------------------------------------------------------------
+    def _logprobs(self, prompt: Any, targets: torch.Tensor) -> torch.Tensor:
+        """logprob of targets[t] after prompt.ids[:t+1] (a `mmrl.serve.inputs.Prompt`)."""
+        from mmrl.trainer.batch import model_positions
+
+        ids = prompt.ids
+        kwargs: dict[str, Any] = dict(prompt.mm_inputs)
+        if prompt.positions_AP is not None:  # images: M-RoPE positions from the processor
+            kwargs["position_ids"] = model_positions(prompt.positions_AP[:, None, :])
+        out = self.model(input_ids=torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+                         **kwargs)
+        logp = torch.log_softmax(out.logits[0].float(), dim=-1)
+        return logp.gather(-1, targets.view(-1, 1)).squeeze(-1)
+
+    def forward_backward(self, prompts: list[Any], data: list[dict[str, np.ndarray]], loss_fn: str,
+                         config: dict[str, Any], backward: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        if loss_fn not in LOSSES:
+            hint = " (not implemented by this server yet)" if loss_fn in NOT_YET else ""
+            raise UserInputError(f"loss_fn {loss_fn!r} is not supported{hint}; supported: {', '.join(LOSSES)}",
+                                 "loss_fn")
+        if not data:
+            raise UserInputError("data is empty", "data")
+        loss_fn_impl = LOSSES[loss_fn]
+        outputs, total = [], 0.0
+        for i, (prompt, loss_inputs) in enumerate(zip(prompts, data)):
+            where = f"data[{i}]"
+            ids = prompt.ids
+            if "target_tokens" not in loss_inputs:
+                raise UserInputError(f"{where}.loss_fn_inputs.target_tokens is required",
+                                     f"{where}.loss_fn_inputs.target_tokens")
+            targets = torch.tensor(np.array(loss_inputs["target_tokens"], dtype=np.int64).reshape(-1))
+            if targets.numel() != len(ids):
+                raise UserInputError(f"{where}.loss_fn_inputs.target_tokens has {targets.numel()} tokens, the model "
+                                     f"input has {len(ids)}", f"{where}.loss_fn_inputs.target_tokens")
+            if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= self.vocab_size):
+                raise UserInputError(f"{where}.loss_fn_inputs.target_tokens: ids must be in [0, {self.vocab_size})",
+                                     f"{where}.loss_fn_inputs.target_tokens")
+            inputs = {k: torch.tensor(np.array(v, dtype=np.float32)) for k, v in loss_inputs.items()
+                      if k != "target_tokens"}
+            with torch.set_grad_enabled(backward):
+                logp = self._logprobs(prompt, targets)
+                try:
+                    loss_T = loss_fn_impl(logp, inputs, config, where)
+                except LossInputError as e:
+                    raise UserInputError(str(e), e.field) from None
+                loss = loss_T.sum()
+                if backward:
+                    loss.backward()
+            total += float(loss.detach())
+            outputs.append({"logprobs": logp.detach().numpy().astype(np.float32),
+                            "elementwise_loss": loss_T.detach().numpy().astype(np.float32)})
+        return outputs, {"loss:sum": total}
+
+    # ---- optimizer -----------------------------------------------------------------------------
+    def optim_step(self, adam: dict[str, Any]) -> dict[str, float]:
+        lr = float(adam.get("learning_rate", 1e-4))
+        betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
+        eps, wd = float(adam.get("eps", 1e-12)), float(adam.get("weight_decay", 0.0))
+        clip = float(adam.get("grad_clip_norm", 0.0))
+        for name, v in (("learning_rate", lr), ("eps", eps), ("weight_decay", wd), ("grad_clip_norm", clip)):
+            if not math.isfinite(v) or v < 0:
+                raise UserInputError(f"adam_params.{name} must be a finite number >= 0, got {v}", f"adam_params.{name}")
+        if not all(0 <= b < 1 for b in betas):
+            raise UserInputError(f"adam_params.beta1/beta2 must be in [0, 1), got {betas}", "adam_params.beta1")
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+        for group in self.optimizer.param_groups:  # per-step hyperparameters, as the API passes them
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=wd)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if clip > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(self.params, clip, torch.tensor(norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm": norm, "learning_rate": lr}
+
+    # ---- weights -------------------------------------------------------------------------------
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone().contiguous() for n, p in self.model.named_parameters() if ".lora_" in n}
+
+    def merged_lora_deltas(self) -> dict[str, torch.Tensor]:
+        """HF checkpoint name -> the adapter's weight delta (alpha/r) * B @ A, per adapted layer."""
+        from mmrl.weight_sync.gather import weight_units
+
+        out = {}
+        for unit in weight_units(self.model):
+            if unit.lora_scaling is not None:
+                _, lora_a, lora_b, *_ = unit.params
+                out[unit.name] = (unit.lora_scaling * (lora_b.detach().float() @ lora_a.detach().float())).contiguous()
+        return out

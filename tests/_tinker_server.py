@@ -1,0 +1,69 @@
+"""An `mmrl serve` server in a background thread of the test process, on a free port, for tests that
+drive it with the official `tinker` SDK."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+KEY_A = "tml-test-key-aaaaaaaaaaaaaaaa"
+KEY_B = "tml-test-key-bbbbbbbbbbbbbbbb"
+START_TIMEOUT_S = 600  # a hang guard (vLLM start on a loaded 2-core machine), not a speed check
+
+
+def serve_in_thread(model_dir: Path, store_dir: Path, sampler: str = "trainer",
+                    extra: tuple[str, ...] = ()) -> Iterator[str]:
+    import uvicorn
+
+    from mmrl.config import load_config
+    from mmrl.serve import build_app
+
+    cfg = load_config(None, [f"model.path={model_dir}", f"serve.store_dir={store_dir}", f"serve.sampler={sampler}",
+                             "serve.model_name=tiny-vlm", *extra], check_files=False)
+    app = build_app(cfg, keys=[KEY_A, KEY_B])
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("mmrl serve did not start (see the log above)")
+        if time.time() > deadline:
+            raise TimeoutError(f"mmrl serve not up after {START_TIMEOUT_S} s")
+        time.sleep(0.2)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=120)
+
+
+def service_client(base_url: str, key: str = KEY_A) -> Any:
+    import tinker
+
+    return tinker.ServiceClient(base_url=base_url, api_key=key)
+
+
+def image_input(tokenizer, model_dir, expected_delta: int = 0):
+    """(chunks before the image, the image chunk, token ids of the whole sequence with the image's
+    pads) for a 56x56 PNG, laid out as tinker-cookbook's Qwen-VL renderers do."""
+    import io
+
+    from tinker import types
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(buf, format="PNG")
+    ip = AutoProcessor.from_pretrained(model_dir).image_processor
+    n = ip.get_number_of_image_patches(56, 56, {}) // ip.merge_size ** 2
+    vs, ve, pad = (tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    pre = tokenizer.encode("look:") + [vs]
+    post = [ve] + tokenizer.encode(" it is red")
+    image = types.ImageChunk(data=buf.getvalue(), format="png", expected_tokens=n + expected_delta)
+    return pre, image, post, pre + [pad] * n + post
