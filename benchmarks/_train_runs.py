@@ -104,3 +104,16 @@ def curve_summary(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
             "final": curve[-1][1] if curve else None, "best": max((a for _, a, _ in curve), default=None),
             "steps": rows[-1]["step"] if rows else 0,
             "mean_step_s": sum(r.get("time/step_s", 0.0) for r in rows) / max(1, len(rows) - 1)}
+
+
+def add_run_args(ap: Any, *, seeds: list[int], max_steps: int | None, max_steps_help: str = "") -> None:
+    """The arguments every learning benchmark takes: seeds, target, step budget, output folder,
+    --merge / --collect, and key=value overrides for every run."""
+    ap.add_argument("--seeds", type=int, nargs="+", default=seeds)
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--max-steps", type=int, default=max_steps, help=max_steps_help or None)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--merge", action="store_true", help="keep the other runs already in the JSON")
+    ap.add_argument("--collect", action="store_true",
+                    help="train nothing: summarise the run folders already on disk (e.g. a run stopped by hand)")
+    ap.add_argument("overrides", nargs="*", help="extra key=value config overrides (every run)")

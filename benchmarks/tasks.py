@@ -25,7 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _plots import accuracy_axes, panels, save  # noqa: E402
-from _train_runs import curve_summary, ensure_assets, read_rows, train  # noqa: E402
+from mmrl.utils.paths import repo_relative  # noqa: E402
+from _train_runs import add_run_args, curve_summary, ensure_assets, read_rows, train  # noqa: E402
 
 TASKS = ("counting", "multi_image", "grounding", "video_motion", "colors_demo")
 DEFAULT_TASKS = TASKS[:4]  # colors_demo has its own benchmark (colors_learning.py)
@@ -84,14 +85,7 @@ def plot(results: list[dict], target: float, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=list(TASKS))
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--target", type=float, default=0.9)
-    ap.add_argument("--max-steps", type=int, default=None, help="default: each config's run.max_steps")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--merge", action="store_true", help="keep the other runs already in the JSON")
-    ap.add_argument("--collect", action="store_true",
-                    help="train nothing: summarise the run folders already on disk (e.g. a run stopped by hand)")
-    ap.add_argument("overrides", nargs="*", help="extra key=value config overrides (every task)")
+    add_run_args(ap, seeds=[0, 1, 2], max_steps=None, max_steps_help="default: each config's run.max_steps")
     args = ap.parse_args()
     out = Path(args.out)
     runs = out / "runs" / "tasks"
@@ -105,7 +99,7 @@ def main() -> None:
                 if not (run_dir / "metrics.jsonl").exists():
                     continue
                 r = record(read_rows(run_dir), task, seed, args.target,
-                           f"(collected from disk: {run_dir.relative_to(REPO)}/config.yaml)", None, None)
+                           f"(collected from disk: {repo_relative(run_dir, REPO)}/config.yaml)", None, None)
             else:
                 r = run(task, seed, args.target, args.max_steps, args.overrides, runs)
             results = [x for x in results if (x["task"], x["seed"]) != (task, seed)] + [r]

@@ -22,7 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from _plots import accuracy_axes, panels, save  # noqa: E402
-from _train_runs import curve_summary, ensure_assets, read_rows, train  # noqa: E402
+from mmrl.utils.paths import repo_relative  # noqa: E402
+from _train_runs import add_run_args, curve_summary, ensure_assets, read_rows, train  # noqa: E402
 
 TASKS = ("zoom_read", "gui_click")
 NO_TOOLS = ["rollout.agent_loop_args.tools=[]", "rollout.agent_loop_args.tool_choice=auto"]
@@ -70,14 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--arms", nargs="+", default=["tools", "no_tools"], choices=["tools", "no_tools"])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--target", type=float, default=0.9)
-    ap.add_argument("--max-steps", type=int, default=400)
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--merge", action="store_true", help="keep the other runs already in the JSON")
-    ap.add_argument("--collect", action="store_true",
-                    help="train nothing: summarise the run folders already on disk (e.g. a run stopped by hand)")
-    ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
+    add_run_args(ap, seeds=[0], max_steps=400)
     args = ap.parse_args()
     out = Path(args.out)
     runs_root = out / "runs" / "tool_tasks"
@@ -93,7 +87,7 @@ def main() -> None:
                     run_dir = runs_root / f"{task}-{arm}-seed{seed}"
                     if not (run_dir / "metrics.jsonl").exists():
                         continue
-                    r = summarise(read_rows(run_dir), task, arm, seed, args.target, f"(collected from disk: {run_dir.relative_to(REPO)}/config.yaml)", None, None)
+                    r = summarise(read_rows(run_dir), task, arm, seed, args.target, f"(collected from disk: {repo_relative(run_dir, REPO)}/config.yaml)", None, None)
                 else:
                     r = run(task, arm, seed, args.target, args.max_steps, args.overrides, runs_root)
                 results = [x for x in results if (x["task"], x["arm"], x["seed"]) != (task, arm, seed)] + [r]

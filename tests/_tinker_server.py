@@ -67,3 +67,14 @@ def image_input(tokenizer, model_dir, expected_delta: int = 0):
     post = [ve] + tokenizer.encode(" it is red")
     image = types.ImageChunk(data=buf.getvalue(), format="png", expected_tokens=n + expected_delta)
     return pre, image, post, pre + [pad] * n + post
+
+
+def sample_and_score(sampler: Any, chunks: list, seed: int, max_tokens: int = 4) -> tuple[Any, list]:
+    """One sampled sequence for the prompt `chunks`, and compute_logprobs over prompt + that sequence."""
+    from tinker import types
+
+    seq = sampler.sample(types.ModelInput(chunks=chunks), 1, types.SamplingParams(max_tokens=max_tokens, seed=seed)
+                         ).result().sequences[0]
+    scored = sampler.compute_logprobs(types.ModelInput(chunks=chunks + [types.EncodedTextChunk(tokens=seq.tokens)])
+                                      ).result()
+    return seq, scored

@@ -10,7 +10,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from _tinker_server import KEY_A, KEY_B, image_input, serve_in_thread, service_client  # noqa: E402
+from _tinker_server import KEY_A, KEY_B, image_input, sample_and_score, serve_in_thread, service_client  # noqa: E402
 
 PROMPT = "the red square is red and the blue circle is blue"
 
@@ -145,10 +145,7 @@ def test_image_chunks_train_and_sample(trained, server, tiny_model_dir):
 
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt_chunks = [types.EncodedTextChunk(tokens=pre), image, types.EncodedTextChunk(tokens=post)]
-    seq = sampler.sample(types.ModelInput(chunks=prompt_chunks), 1, types.SamplingParams(max_tokens=4, seed=1)
-                         ).result().sequences[0]
-    scored = sampler.compute_logprobs(types.ModelInput(chunks=prompt_chunks + [types.EncodedTextChunk(tokens=seq.tokens)])
-                                      ).result()
+    seq, scored = sample_and_score(sampler, prompt_chunks, seed=1)
     assert len(scored) == len(full) + len(seq.tokens)
     np.testing.assert_allclose(scored[len(full):], seq.logprobs, atol=1e-4)
 

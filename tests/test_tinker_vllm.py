@@ -8,7 +8,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from _tinker_server import image_input, serve_in_thread, service_client  # noqa: E402
+from _tinker_server import image_input, sample_and_score, serve_in_thread, service_client  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -59,10 +59,7 @@ def test_train_then_sample_with_vllm(server, tiny_model_dir):
     # an image prompt: vLLM gets one pad + the image and expands it; logprobs over the expanded prompt
     pre, image, post, full_img = image_input(tc.get_tokenizer(), tiny_model_dir)
     chunks = [types.EncodedTextChunk(tokens=pre), image, types.EncodedTextChunk(tokens=post)]
-    seq = sampler.sample(types.ModelInput(chunks=chunks), 1, types.SamplingParams(max_tokens=4, seed=0)
-                         ).result().sequences[0]
-    scored = sampler.compute_logprobs(types.ModelInput(chunks=chunks + [types.EncodedTextChunk(tokens=seq.tokens)])
-                                      ).result()
+    seq, scored = sample_and_score(sampler, chunks, seed=0)
     assert len(scored) == len(full_img) + len(seq.tokens)
     np.testing.assert_allclose(scored[len(full_img):], seq.logprobs, atol=2e-3)
     tail = [types.EncodedTextChunk(tokens=seq.tokens[:-1])] if len(seq.tokens) > 1 else []
