@@ -72,7 +72,7 @@ def test_a_task_config_builds_what_it_reads(config: Path) -> None:
 
 # task -> (chance level of held-out success, what a short seeded run must reach, step budget).
 # Measured with the shipped configs (full shards, benchmarks/results/tasks.json): counting passed 0.5
-# at steps 235 / ~520 / ~450 and 0.9 at 435 / 580 / 640 (seeds 0 / 1 / 2); seed 0 runs here.
+# at steps 230 / 515 / 400 and 0.9 at 435 / 580 / 640 (seeds 0 / 1 / 2); seed 0 runs here.
 LEARNS = {
     "counting": (0.2, 0.5, 350),
 }
