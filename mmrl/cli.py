@@ -54,14 +54,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         if plan is not None:
             check_memory_plan(plan)  # a plan that cannot fit stops here, naming the biggest term and the fix
         return 0
+    import shlex
     import signal
 
-    from mmrl.controller.train import train
+    from mmrl.controller.restarts import RunStopped, train_with_restarts
 
     # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the engines shut down cleanly and
     # release their shared memory.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    summary = train(cfg)
+    try:  # a trainer rank that dies: restarted from the newest checkpoint (run.max_restarts), then this
+        summary = train_with_restarts(cfg, command=shlex.join(["mmrl", "train", args.config, *args.overrides]))
+    except RunStopped as e:
+        print(f"mmrl: error: {e}", file=sys.stderr)
+        return e.exit_code
     curve = summary.pop("heldout_curve", [])
     print("held-out accuracy by step: " + ", ".join(f"{s}:{a:.3f}" for s, a, _ in curve))
     print(json.dumps(summary, indent=2, default=str))
@@ -71,9 +76,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from mmrl.config import load_config
     from mmrl.serve import serve
+    from mmrl.serve.auth import KeyConfigError
 
     cfg = load_config(args.config, args.overrides)
-    serve(cfg, host=args.host, port=args.port)
+    try:
+        serve(cfg, host=args.host, port=args.port)
+    except KeyConfigError as e:  # no API keys, or keys without the tml- prefix
+        print(f"mmrl: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

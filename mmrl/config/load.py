@@ -160,6 +160,7 @@ def _check_positive(cfg: Config) -> None:
         "trainer.max_tokens_per_micro_batch": (cfg.trainer.max_tokens_per_micro_batch or 1) >= 1,
         "trainer.lora.rank": cfg.trainer.lora.rank >= 1,
         "checkpoint.every_steps": cfg.checkpoint.every_steps >= 0,
+        "run.max_restarts": cfg.run.max_restarts >= 0,
         "algorithm.entropy_schedule.steps": cfg.algorithm.entropy_schedule.steps >= 0,
         "algorithm.entropy_schedule.start_step": cfg.algorithm.entropy_schedule.start_step >= 0,
         "trainer.lr_schedule.steps": cfg.trainer.lr_schedule.steps >= 0,

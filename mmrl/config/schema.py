@@ -41,6 +41,11 @@ class RunConfig:
     time_limit_s: Optional[float] = None
     # Stop early once held-out accuracy reaches this; null = never.
     stop_at_heldout_accuracy: Optional[float] = None
+    # A trainer rank that dies (its process killed, OOM, a lost node): the run tears its actors
+    # down and restarts from the newest complete checkpoint (what rerunning the command does; no
+    # checkpoint yet: from the start), at most this many times per `mmrl train`; after that it
+    # stops (exit 75) naming the rank and the command that resumes. 0 = stop at the first.
+    max_restarts: int = 2
 
 
 @dataclass

@@ -25,6 +25,7 @@ from mmrl.controller.metrics import rollout_metrics, weight_sync_metrics
 from mmrl.controller.placement import placement_plan
 from mmrl.data.sample import Sample
 from mmrl.controller.prompts import SampleBatches
+from mmrl.controller.restarts import record_ranks
 from mmrl.controller.rollout_log import log_rollouts
 from mmrl.controller.rollout import EngineMonitor, rollout_and_score_groups, run_rollout
 from mmrl.processors import PromptRef, build_processor
@@ -62,6 +63,8 @@ class Runtime:
     # (MASTER_ADDR, MASTER_PORT) of the trainer ranks' process group: it names their shared-memory
     # all-reduce buffers, so close() removes this run's and no other run's
     rendezvous: tuple[str, int] | None = None
+    # each trainer rank's {rank, pid, node} (also RUN_DIR/ranks.json): a rank that dies is named by them
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
     def push_weights(self, new_version: bool = True) -> dict[str, float]:
         """Give the engines the trainers' weights (as `weight_version`, bumped first unless
@@ -194,12 +197,13 @@ def start_runtime(cfg: Config) -> Runtime:
         ray.get(done)  # a start that failed raises here
         startup.ready(starting[done[0]])
     startup.mark("engines_and_ranks")
+    ranks = record_ranks(run_dir, ray.get(rank_setups))
     workers.ready()
     startup.mark("rollout_workers_ready")
     return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
                    sampling=sampling, engines=engines, workers=workers, trainers=trainers,
                    monitor=EngineMonitor(engines), cpu_clock=None if cfg.cluster.ray_address else ProcessTreeClock(),
-                   startup=startup, rendezvous=(spec.master_addr, ray.get(rendezvous_port)))
+                   startup=startup, rendezvous=(spec.master_addr, ray.get(rendezvous_port)), ranks=ranks)
 
 
 def evaluate(rt: Runtime, heldout: list[Sample]) -> dict[str, float]:

@@ -23,6 +23,7 @@ from mmrl.controller.guard import StabilityGuard
 from mmrl.controller.loop import Runtime, evaluate, run_step, start_runtime
 from mmrl.controller.metrics import MetricsLogger
 from mmrl.controller.prompts import SampleBatches
+from mmrl.controller.restarts import rank_failure
 from mmrl.data.sample import Sample
 from mmrl.utils.schedule import scheduled, warmup_factor
 from mmrl.utils.timing import StepSpans
@@ -114,9 +115,12 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
     for done in remove_leftovers(rt.run_dir):  # a save or prune that a kill interrupted
         print(f"[mmrl] checkpoints: {done} (left by an interrupted save)")
     ckpt = latest_checkpoint(rt.run_dir) if cfg.checkpoint.resume else None
-    stream = logger = trace = None
+    stream = logger = trace = step = None
     try:
-        if ckpt is not None:
+        if ckpt is None:  # a fresh start: records of an earlier start that never checkpointed go
+            truncate_metrics(rt.run_dir, -1)
+            truncate_metrics(rt.run_dir, -1, name="batches.jsonl")
+        else:
             state = load_checkpoint(ckpt, rt.trainers)
             start_step, rt.weight_version = state["step"] + 1, state["weight_version"]
             resume_cursor, lr_scale, wall_offset = state["data"], state["lr_scale"], state["wall_s"]
@@ -222,7 +226,14 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> dict[str, Any]:
                 summary["stopped"] = stop
                 break
             step += 1
+    except Exception as e:
+        died = rank_failure(rt, e, step)  # a trainer rank that died: named, for controller/restarts.py
+        if died is not None:
+            raise died from e
+        raise
     finally:
+        if stream is not None:  # its loader processes (a restart in this process opens new ones)
+            stream.close()
         if logger is not None:
             logger.close()
         if trace is not None:

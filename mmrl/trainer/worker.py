@@ -150,7 +150,8 @@ class TrainerWorker:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
         self._setup_info = {"rank": self.rank, "setup_s": time.time() - t0, "params": n_params,
-                            "trainable": n_trainable, "frozen_vision_tensors": len(frozen), "pid": os.getpid()}
+                            "trainable": n_trainable, "frozen_vision_tensors": len(frozen), "pid": os.getpid(),
+                            "node": ray.util.get_node_ip_address()}
         return self._setup_info
 
     def setup_info(self) -> dict[str, Any]:
