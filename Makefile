@@ -36,7 +36,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-test-learning: setup  # every task config learns (tests/test_task_configs.py): about an hour per task on 2 cores
+test-learning: setup  # every task config and model family learns (test_task_configs, test_families): tens of minutes each on 2 cores
 	$(PY) -m pytest -q -m learning $(PYTEST_ARGS)
 
 # every benchmark in its quick version (writes to runs/bench-quick, not benchmarks/results)

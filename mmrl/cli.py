@@ -38,8 +38,12 @@ def _check_rewards(cfg: Any) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from mmrl.config import load_config, to_yaml
 
-    cfg = load_config(args.config, args.overrides)
+    from mmrl.config.load import check_named_files
+
+    # mistakes inside the config first (they cost a second to fix), then the files it names
+    cfg = load_config(args.config, args.overrides, check_files=False)
     _check_rewards(cfg)
+    check_named_files(cfg)
     if args.dry_run:
         from mmrl.controller.placement import format_plan, placement_plan
         from mmrl.utils.env import resolve_device
@@ -502,8 +506,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         # argparse gives a trailing nargs="*" positional nothing once an option sits between it
-        # and the positional before it (`data build NAME --out DIR k=v`): collect those here.
-        trailing = {cmd_data_build: "options", cmd_profile_data: "overrides"}.get(getattr(args, "func", None))
+        # and the positional before it (`data build NAME --out DIR k=v`, `train CONFIG --dry-run
+        # k=v`): collect those here, for every command that takes key=value pairs.
+        trailing = "options" if getattr(args, "func", None) is cmd_data_build else (
+            "overrides" if isinstance(getattr(args, "overrides", None), list) else None)
         if trailing and all("=" in e and not e.startswith("-") for e in extra):
             setattr(args, trailing, list(getattr(args, trailing)) + extra)
         else:

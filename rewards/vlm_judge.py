@@ -119,6 +119,8 @@ class _Judge:
         from transformers import AutoProcessor
         from vllm import LLM
 
+        from mmrl.utils.env import reread_vllm_env
+
         kwargs = {"model": model, "max_model_len": 4096, "limit_mm_per_prompt": {"image": 4, "video": 0},
                   "seed": 0, **engine_args}
         if "enforce_eager" not in kwargs and not torch.cuda.is_available():
@@ -129,6 +131,7 @@ class _Judge:
         if not torch.cuda.is_available():  # else vLLM reserves most of the RAM for its KV cache
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
         with _env(env):
+            reread_vllm_env()  # another in-process engine may have frozen vLLM's env before
             self.llm = LLM(**kwargs)
         # vLLM's CPU worker replaces torch.set_num_threads with a warning stub to protect its
         # thread pinning, which only the multi-process executor does; in-process every request

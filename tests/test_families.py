@@ -7,7 +7,8 @@ engine and the 2-rank ZeRO-3 trainer.
     each) between `<img>` and `</img>`; weights named alike on both sides.
 
 Per family, on one runtime at the colours demo's settings: the demo learns (its first test, on the
-fresh random weights), logprob parity before and after a weight sync (one image and two images per
+fresh random weights; `learning` marker, `make test-learning`), three GRPO steps with exact
+engine/trainer agreement (in CI), logprob parity before and after a weight sync (one image and two images per
 prompt), and a text-only micro-batch on one rank (the adapter's dummy vision input)."""
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def runtime(request: pytest.FixtureRequest, colors_dir: Path, tmp_path_factory: 
         yield rt
 
 
+@pytest.mark.learning  # ~10 min per family on 2 cores; CI runs the short steps below
 @pytest.mark.timeout(3000)  # a busy machine can triple the run; the bound is for hangs only
 def test_the_colours_demo_learns(runtime, colors_dir: Path, colors_samples: list) -> None:
     """The demo's GRPO steps (its config: 16 prompts x 16 samples, lr 5e-4, entropy bonus 0.1) from
@@ -67,6 +69,21 @@ def test_the_colours_demo_learns(runtime, colors_dir: Path, colors_samples: list
     assert curve[0][1] <= 0.35, f"an untrained random model should be near chance, got {curve[0][1]}"
     assert curve[-1][1] >= 0.6, f"held-out accuracy never reached 0.6 in 200 steps: {curve}"
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards  # sampled at temperature 1: below greedy
+
+
+def test_grpo_steps_train_and_the_engine_samples_what_the_trainer_computes(runtime, colors_dir: Path) -> None:
+    """Three of the demo's GRPO steps: every prompt used, the weights pushed each step, and the
+    engine's logprobs equal to the trainer's under the new weights (the family's sync is exact)."""
+    rt = runtime
+    stream = ShardStream(f"{colors_dir}/train-000000.tar", shuffle_buffer=rt.cfg.data.shuffle_buffer, seed=1)
+    batches = SampleBatches(stream, rt.cfg.rollout.prompts_per_step)
+    advantage = registry.resolve("advantage", rt.cfg.algorithm.advantage)
+    first = rt.weight_version
+    for step in range(first + 1, first + 4):
+        metrics, used = run_step(rt, batches(), advantage, StepSpans(), step=step, batches=batches)
+        assert len(used) == rt.cfg.rollout.prompts_per_step and metrics["weight_version"] == step
+        assert metrics["mismatch/mean_abs_logprob_diff"] < 1e-4
+        assert torch.isfinite(torch.tensor(metrics["loss/pg"])) and metrics["train/nonfinite_skipped"] == 0, metrics
 
 
 def test_parity_before_and_after_weight_sync(runtime, colors_samples: list) -> None:

@@ -252,7 +252,10 @@ def test_yaml_booleans_where_a_reward_expects_text_are_refused_before_the_run(tm
     bad = tmp_path / "bare_yes_no.yaml"
     bad.write_text(src.replace('["yes", "no"]', "[yes, no]"))
     assert "[yes, no]" in bad.read_text()
-    proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", str(bad), "--dry-run"],
+    # the model folder is absent here (as on a clean machine before `make assets`): the config's own
+    # mistake is still the one reported
+    proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", str(bad), "--dry-run",
+                           f"model.path={tmp_path / 'absent-model'}"],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode != 0 and "YAML reads unquoted yes/no" in proc.stderr, proc.stderr[-2000:]
 

@@ -214,7 +214,8 @@ def _looks_local(path: str) -> bool:
     return os.path.isdir(path.split("/")[0])  # 'work/tiny-vlm' when ./work exists
 
 
-def _check_files(cfg: Config) -> None:
+def check_named_files(cfg: Config) -> None:
+    """The model folder and the shards the config names exist (a hub id passes unless offline)."""
     from mmrl.data.stream import ShardNotFoundError, expand_urls
 
     model = cfg.model.path
@@ -268,6 +269,6 @@ def validate(cfg: Config, *, check_files: bool = True, check_plugins: bool = Tru
                           "rewards: [{name: answer_match}].")
     _check_reward_labels(cfg)
     if check_files:
-        _check_files(cfg)
+        check_named_files(cfg)
     if check_plugins:
         _check_plugins(cfg)

@@ -138,6 +138,9 @@ class RolloutEngine:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
+            from mmrl.utils.env import reread_vllm_env
+
+            reread_vllm_env()  # this engine's env (RPC folder, cache root), not an earlier engine's
             t0 = time.time()
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.llm_kwargs),
                                                  stat_loggers=[_stats_logger_factory(self._scheduler)])

@@ -151,6 +151,16 @@ def apply_env(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
+def reread_vllm_env() -> None:
+    """Make vLLM read its environment variables again. An engine core running in this process
+    freezes them for the life of the process (`vllm.envs.enable_envs_cache`), so a second engine
+    here (the serve's sampler after a judge reward, a test session) would bind its sockets under
+    the first one's RPC folder, long removed. Call before starting an engine in-process."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+
+
 # DeepSpeed's CPU shared-memory all-reduce (used when LOCAL_SIZE equals the world size) maps one
 # ~66 MB buffer per rank, named {prefix}_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}
 # (deepspeed/ops/csrc/cpu/comm/shm.cpp: shm_initialize), and never removes them.
