@@ -66,6 +66,20 @@ def _death(text: str, pid: int) -> tuple[int, str]:
     return step, f"step_{4 * ((step - 1) // 4):06d}"
 
 
+def _kill_rank_and_wait(run: Path, cmd: list[str], root: Path, exit_code: int, timeout_s: float) -> tuple[int, str]:
+    """Start `cmd`, SIGKILL trainer rank 1 once step 6 is logged, and check the run's exit code;
+    returns the killed pid and the run's log."""
+    log = run.with_suffix(".log")
+    proc = start(cmd, root, log)
+    try:
+        pid = _kill_rank_after_step(run, log, proc, 6)
+        assert proc.wait(timeout=timeout_s) == exit_code, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            kill_run(proc)
+    return pid, log.read_text()
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("restarts")
@@ -82,16 +96,9 @@ def straight(root: Path, tiny_model_dir: Path, colors_dir: Path) -> Path:
 @pytest.mark.slow
 def test_a_killed_trainer_rank_is_restarted_from_the_newest_checkpoint(root: Path, straight: Path,
                                                                        tiny_model_dir: Path, colors_dir: Path) -> None:
-    run, log = root / "rank_killed", root / "rank_killed.log"
-    proc = start(_cmd(run, tiny_model_dir, colors_dir, 12), root, log)
-    try:
-        # after step 6 (checkpoint at 4): steps 5 and 6 were logged and are (usually) redone after the restart
-        pid = _kill_rank_after_step(run, log, proc, 6)
-        assert proc.wait(timeout=2 * HANG_S) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            kill_run(proc)
-    text = log.read_text()
+    run = root / "rank_killed"
+    # after step 6 (checkpoint at 4): steps 5 and 6 were logged and are (usually) redone after the restart
+    pid, text = _kill_rank_and_wait(run, _cmd(run, tiny_model_dir, colors_dir, 12), root, 0, 2 * HANG_S)
     died, checkpoint = _death(text, pid)
     assert f"Restart 1 of run.max_restarts=2: from checkpoint {checkpoint}" in text
     _same_run(straight, run, 12)
@@ -105,16 +112,9 @@ def test_a_killed_trainer_rank_is_restarted_from_the_newest_checkpoint(root: Pat
 @pytest.mark.slow
 def test_without_restarts_the_run_stops_naming_the_rank_and_the_command_that_resumes_it(
         root: Path, straight: Path, tiny_model_dir: Path, colors_dir: Path) -> None:
-    run, log = root / "stopped", root / "stopped.log"
+    run = root / "stopped"
     cmd = _cmd(run, tiny_model_dir, colors_dir, 12, "run.max_restarts=0")
-    proc = start(cmd, root, log)
-    try:
-        pid = _kill_rank_after_step(run, log, proc, 6)
-        assert proc.wait(timeout=HANG_S) == RESUME_EXIT_CODE, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            kill_run(proc)
-    text = log.read_text()
+    pid, text = _kill_rank_and_wait(run, cmd, root, RESUME_EXIT_CODE, HANG_S)
     _, checkpoint = _death(text, pid)
     assert f"mmrl: error: trainer rank 1 (pid {pid}, node " in text
     assert f"newest checkpoint ({run / 'checkpoints' / checkpoint})" in text
