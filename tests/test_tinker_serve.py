@@ -109,8 +109,8 @@ def test_named_checkpoint_sampled_by_path(trained, server):
 def test_unknown_loss_is_a_4xx_naming_the_field(trained):
     tc, _, datum, _ = trained
     with pytest.raises(Exception, match="loss_fn") as err:
-        tc.forward_backward([datum], "dro").result()
-    assert "400" in str(err.value) or "loss_fn 'dro'" in str(err.value)
+        tc.forward_backward([datum], "stable_reinforce").result()
+    assert "loss_fn 'stable_reinforce' is not supported" in str(err.value)
 
 
 def test_unknown_model_is_a_4xx_naming_the_field(server):

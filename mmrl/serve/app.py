@@ -19,7 +19,7 @@ from mmrl.serve import wire
 from mmrl.serve.auth import AuthError, Keys
 from mmrl.serve.futures import JobError
 from mmrl.serve.inputs import build_prompt
-from mmrl.serve.losses import LOSSES, NOT_YET
+from mmrl.serve.losses import LossInputError, check_loss_name
 from mmrl.serve.sampler import SampleParams
 from mmrl.serve.service import NotFound, Service
 from mmrl.serve.trainer import UserInputError
@@ -183,10 +183,10 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         req = wire.read_forward_backward_request(raw)
         trainer = service.trainer(request.state.owner, req.model_id)
         # checked now, so a wrong loss or input is a 400 on the call itself
-        if req.loss_fn not in LOSSES:
-            hint = " (not implemented by this server yet)" if req.loss_fn in NOT_YET else ""
-            raise UserInputError(f"loss_fn {req.loss_fn!r} is not supported{hint}; supported: {', '.join(LOSSES)}",
-                                 "loss_fn")
+        try:
+            check_loss_name(req.loss_fn)
+        except LossInputError as e:
+            raise UserInputError(str(e), e.field) from None
         if not req.data:
             raise UserInputError("data is empty", "data")
         prompts = [build_prompt(d.chunks, service.processor, f"data[{i}].model_input") for i, d in enumerate(req.data)]

@@ -49,25 +49,71 @@ def importance_sampling(logp_T: Tensor, inputs: dict[str, Tensor], config: dict,
     return -ratio * adv
 
 
-def _thresholds(config: dict) -> tuple[float, float]:
-    low = float(config.get("clip_low_threshold", 0.8))
-    high = float(config.get("clip_high_threshold", 1.2))
-    if not 0 <= low <= 1 <= high:
-        raise LossInputError(f"loss_fn_config: need 0 <= clip_low_threshold <= 1 <= clip_high_threshold, "
-                             f"got {low} and {high}", "loss_fn_config.clip_low_threshold")
+# Thresholds of the ratio's clip: `loss_fn_config` scalars, or per-token arrays of the same names
+# in `loss_fn_inputs` (the SDK declares both), which win.
+PPO_THRESHOLDS = (0.8, 1.2)
+# GSPO's sequence ratio is a geometric mean, so it moves far less than a token's: the paper's
+# clip range is 3e-4 below and 4e-4 above 1 (arXiv 2507.18071, section 5.1).
+GSPO_THRESHOLDS = (1.0 - 3e-4, 1.0 + 4e-4)
+DRO_BETA = 0.05  # the beta of Tinker's DRO example; `loss_fn_config={"beta": ...}` sets it
+
+
+def _thresholds(inputs: dict[str, Tensor], config: dict, T: int, where: str,
+                defaults: tuple[float, float]) -> tuple[Tensor, Tensor]:
+    bounds = []
+    for key, default in zip(("clip_low_threshold", "clip_high_threshold"), defaults):
+        if key in inputs:
+            bounds.append(_need(inputs, key, T, where))
+        else:
+            bounds.append(torch.full((T,), float(config.get(key, default))))
+    low, high = bounds
+    if not bool(((0 <= low) & (low <= 1) & (1 <= high)).all()):
+        raise LossInputError(f"{where}: need 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got "
+                             f"{low.min().item()}..{low.max().item()} and {high.min().item()}..{high.max().item()}",
+                             "loss_fn_config.clip_low_threshold")
     return low, high
 
 
 def ppo(logp_T: Tensor, inputs: dict[str, Tensor], config: dict, where: str) -> Tensor:
     ratio, adv = _ratio(logp_T, inputs, where)
-    low, high = _thresholds(config)
+    low, high = _thresholds(inputs, config, logp_T.numel(), where, PPO_THRESHOLDS)
     return -torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
 
 
 def cispo(logp_T: Tensor, inputs: dict[str, Tensor], config: dict, where: str) -> Tensor:
     ratio, adv = _ratio(logp_T, inputs, where)
-    low, high = _thresholds(config)
+    low, high = _thresholds(inputs, config, logp_T.numel(), where, PPO_THRESHOLDS)
     return -torch.clamp(ratio, low, high).detach() * logp_T * adv
+
+
+def gspo(logp_T: Tensor, inputs: dict[str, Tensor], config: dict, where: str) -> Tensor:
+    """GSPO-token: every token carries the sequence ratio s = exp(mean log(p/q)) over the tokens
+    `sequence_ratio_mask` marks (default: those with a non-zero advantage, i.e. the sampled
+    ones in RL data), with the gradient of its own logprob; PPO's clipped objective on top."""
+    T = logp_T.numel()
+    sampler = _need(inputs, "logprobs", T, where)
+    adv = _need(inputs, "advantages", T, where)
+    if "sequence_ratio_mask" in inputs:
+        in_ratio = _need(inputs, "sequence_ratio_mask", T, where) != 0
+    else:
+        in_ratio = adv != 0
+    if not bool(in_ratio.any()):  # nothing sampled to weigh: the datum adds no loss
+        return logp_T * 0.0
+    log_s = (logp_T.detach() - sampler)[in_ratio].mean().clamp(-20.0, 20.0)
+    ratio = torch.exp(log_s + logp_T - logp_T.detach())
+    low, high = _thresholds(inputs, config, T, where, GSPO_THRESHOLDS)
+    return -torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
+
+
+def dro(logp_T: Tensor, inputs: dict[str, Tensor], config: dict, where: str) -> Tensor:
+    """DRO: -(log p * A - beta/2 * (log p - log q)^2), a quadratic pull towards the sampler."""
+    T = logp_T.numel()
+    sampler = _need(inputs, "logprobs", T, where)
+    adv = _need(inputs, "advantages", T, where)
+    beta = float(config.get("beta", DRO_BETA))
+    if beta < 0:
+        raise LossInputError(f"loss_fn_config.beta must be >= 0, got {beta}", "loss_fn_config.beta")
+    return -(logp_T * adv - 0.5 * beta * (logp_T - sampler) ** 2)
 
 
 LOSSES: dict[str, Callable[[Tensor, dict[str, Tensor], dict, str], Tensor]] = {
@@ -75,6 +121,21 @@ LOSSES: dict[str, Callable[[Tensor, dict[str, Tensor], dict, str], Tensor]] = {
     "importance_sampling": importance_sampling,
     "ppo": ppo,
     "cispo": cispo,
+    "gspo": gspo,
+    "dro": dro,
 }
-# Named by the SDK, not implemented by this server yet: answered 400 with this list.
-NOT_YET = ("gspo", "dro", "stable_reinforce", "custom")
+# Named by the SDK, not served here; the 400 says why.
+NOT_SUPPORTED = {
+    "stable_reinforce": "it needs sampling-time stability records (`record_stability_info`, sequence ids), "
+                        "which tinker 0.38 cannot request",
+    "custom": "server-side custom loss graphs are not supported; `forward_backward_custom(data, fn)` with a "
+              "Python loss works (it runs as cross_entropy with the loss's gradient as weights)",
+}
+
+
+def check_loss_name(loss_fn: str) -> None:
+    """Raise LossInputError (field `loss_fn`) unless this server implements `loss_fn`."""
+    if loss_fn in LOSSES:
+        return
+    why = f" ({NOT_SUPPORTED[loss_fn]})" if loss_fn in NOT_SUPPORTED else ""
+    raise LossInputError(f"loss_fn {loss_fn!r} is not supported{why}; supported: {', '.join(LOSSES)}", "loss_fn")

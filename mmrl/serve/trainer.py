@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.serve.losses import LOSSES, NOT_YET, LossInputError
+from mmrl.serve.losses import LOSSES, LossInputError, check_loss_name
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -91,10 +91,10 @@ class LoraTrainer:
 
     def forward_backward(self, prompts: list[Any], data: list[dict[str, np.ndarray]], loss_fn: str,
                          config: dict[str, Any], backward: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
-        if loss_fn not in LOSSES:
-            hint = " (not implemented by this server yet)" if loss_fn in NOT_YET else ""
-            raise UserInputError(f"loss_fn {loss_fn!r} is not supported{hint}; supported: {', '.join(LOSSES)}",
-                                 "loss_fn")
+        try:
+            check_loss_name(loss_fn)
+        except LossInputError as e:
+            raise UserInputError(str(e), e.field) from None
         if not data:
             raise UserInputError("data is empty", "data")
         loss_fn_impl = LOSSES[loss_fn]
