@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -41,6 +42,10 @@ def serve_in_thread(model_dir: Path, store_dir: Path, sampler: str = "trainer",
     finally:
         server.should_exit = True
         thread.join(timeout=120)
+
+
+# `with running_server(model_dir, store_dir) as url:` for a test that stops and restarts a server
+running_server = contextmanager(serve_in_thread)
 
 
 def service_client(base_url: str, key: str = KEY_A) -> Any:

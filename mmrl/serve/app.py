@@ -22,6 +22,7 @@ from mmrl.serve.inputs import build_prompt
 from mmrl.serve.losses import LossInputError, check_loss_name
 from mmrl.serve.sampler import SampleParams
 from mmrl.serve.service import NotFound, Service
+from mmrl.serve.state_routes import state_router
 from mmrl.serve.trainer import UserInputError
 
 PROTO = "application/x-protobuf"
@@ -149,7 +150,8 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         session_id = str(need(data, "session_id"))
         if service.store.session(owner, session_id) is None:
             raise NotFound(f"session_id {session_id!r} not found", "session_id")
-        mid = service.store.add_model(owner, session_id, data["base_model"], rank, service.model_config_json(lora))
+        mid = service.store.add_model(owner, session_id, data["base_model"], rank,
+                                      service.model_config_json(lora, data.get("user_metadata")))
         return future(request, mid, "create_model", lambda: service.create_model(mid, lora), lane=mid)
 
     @app.post("/api/v1/get_info")
@@ -288,6 +290,9 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         if row["status"] == "failed":
             return JSONResponse({"error": row["error"], "category": row["category"] or "unknown"})
         return Response(content=row["result"], media_type=row["content_type"])
+
+    # save_state / load_state, weights_info, training runs and checkpoint listings (state_routes.py)
+    app.include_router(state_router(service, body, need, future))
 
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unsupported(rest: str) -> JSONResponse:

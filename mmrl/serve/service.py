@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mmrl.config.schema import Config
+from mmrl.serve import state
 from mmrl.serve.futures import FutureQueue, JobError
 from mmrl.serve.inputs import Prompt
 from mmrl.serve.sampler import HfSampler, SampleParams, VllmSampler
 from mmrl.serve.store import Store
 from mmrl.serve.trainer import LoraTrainer, UserInputError
 
-TINKER = "tinker://"
+TINKER = state.TINKER
 
 
 class NotFound(Exception):
@@ -37,6 +39,7 @@ class Service:
         self.store = Store(cfg.serve.db_url or f"sqlite:///{self.store_dir / 'serve.db'}")
         failed = self.store.fail_pending("the server stopped before this request finished")
         self.recovered_failed = failed
+        state.sweep_partial(self.store_dir / "checkpoints")  # saves a kill interrupted
         self.queue: FutureQueue | None = None
         self.trainers: dict[str, LoraTrainer] = {}
         self.sampler: Any = None
@@ -125,26 +128,105 @@ class Service:
     def _missing(self, model_id: str, row: dict[str, Any]) -> LoraTrainer:
         if row["status"] == "creating":
             raise UserInputError(f"model_id {model_id!r} is still being created", "model_id")
-        raise NotFound(f"model_id {model_id!r} is not loaded in this server (created before a restart; "
-                       f"load_state is not implemented yet)", "model_id")
+        raise NotFound(f"model_id {model_id!r} is not loaded in this server (created before a restart); resume it "
+                       f"from a saved state: ServiceClient.create_training_client_from_state_with_optimizer("
+                       f"'tinker://{model_id}/weights/<name>')", "model_id")
 
     # ---- jobs -----------------------------------------------------------------------------------
-    async def create_model(self, model_id: str, lora: dict[str, Any]) -> dict[str, Any]:
+    def _build_trainer(self, lora: dict[str, Any], alpha: float | None) -> LoraTrainer:
         cfg = self.cfg
-        trainer = await self.queue.in_thread(lambda: LoraTrainer(
-            self.model_path, rank=int(lora["rank"]), alpha=cfg.serve.lora_alpha, seed=lora.get("seed"),
+        return LoraTrainer(
+            self.model_path, rank=int(lora["rank"]), alpha=alpha, seed=lora.get("seed"),
             train_attn=lora.get("train_attn", True), train_mlp=lora.get("train_mlp", True),
             train_unembed=lora.get("train_unembed", True), dtype=cfg.model.dtype.value,
-            trust_remote_code=cfg.model.trust_remote_code))
+            trust_remote_code=cfg.model.trust_remote_code)
+
+    async def create_model(self, model_id: str, lora: dict[str, Any]) -> dict[str, Any]:
+        trainer = await self.queue.in_thread(self._build_trainer, lora, self.cfg.serve.lora_alpha)
         self.trainers[model_id] = trainer
         self.store.set_model_status(model_id, "ready")
         return {"type": "create_model", "model_id": model_id}
+
+    # ---- training state (save_state / load_state; files: mmrl/serve/state.py) ---------------------
+    def state_checkpoint(self, owner: str, path: Any) -> dict[str, Any]:
+        """The owner's state checkpoint row at `path`: 400 for a malformed or sampler path, 404 for
+        one this key does not have."""
+        parsed = state.parse_path(path)
+        row = self.store.checkpoint(owner, parsed.path)
+        if row is None:
+            raise NotFound(f"checkpoint {path!r} not found", "path")
+        if row["kind"] != "state":
+            raise UserInputError(f"path {path!r} holds sampler weights; loading a training state takes a "
+                                 f"tinker://<training_run_id>/weights/<name> path from save_state", "path")
+        return row
+
+    async def save_state(self, owner: str, model_id: str, name: str, overwrite: bool,
+                         user_metadata: dict[str, Any] | None) -> dict[str, Any]:
+        path = f"{TINKER}{model_id}/weights/{name}"
+        if not overwrite and self.store.checkpoint(owner, path) is not None:  # another save queued first
+            raise JobError(f"checkpoint {path!r} already exists (save_state(..., overwrite=True) replaces it)")
+        try:
+            trainer = self.trainer(owner, model_id)
+        except NotFound as e:  # unloaded while this call waited in the queue
+            raise JobError(str(e)) from None
+        lora = json.loads(self.store.model(owner, model_id)["config_json"]).get("lora", {})
+        meta = {"base_model": self.model_name, "lora": lora, "alpha": trainer.alpha}
+        root = self.store_dir / "checkpoints" / model_id / "weights"
+        folder, size = await self.queue.in_thread(state.write_state, trainer, root, name, meta)
+        old = self.store.add_checkpoint(owner, path, model_id, "state", name, str(folder), size,
+                                        json.dumps(user_metadata) if user_metadata else None)
+        if old is not None and old["file"] != str(folder):
+            state.remove_files(old["file"])
+        return {"type": "save_weights", "path": path}
+
+    async def load_state(self, owner: str, model_id: str, path: str, with_optimizer: bool) -> dict[str, Any]:
+        try:  # checked when the call came; checked again here: a delete may have been queued since
+            trainer, row = self.trainer(owner, model_id), self.state_checkpoint(owner, path)
+            await self.queue.in_thread(state.load_state, trainer, row["file"], path, with_optimizer)
+        except (UserInputError, NotFound) as e:
+            raise JobError(str(e)) from None
+        return {"type": "load_weights", "path": path, "model_id": model_id}
+
+    def state_lora(self, row: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
+        """(LoRA config, alpha) a state checkpoint was trained with; 400 if its base model is not
+        the one served here."""
+        try:
+            meta = state.read_meta(row["file"])
+        except FileNotFoundError:
+            raise NotFound(f"checkpoint {row['path']!r}: its files are missing from the store ({row['file']})",
+                           "path") from None
+        if meta.get("base_model") not in (self.model_name, self.model_path, self.cfg.model.path):
+            raise UserInputError(f"path {row['path']!r} was trained on {meta.get('base_model')!r}; this server "
+                                 f"serves {self.model_name!r}", "path")
+        return meta["lora"], meta.get("alpha")
+
+    async def create_from_state(self, owner: str, model_id: str, path: str, with_optimizer: bool) -> dict[str, Any]:
+        try:
+            row = self.state_checkpoint(owner, path)
+            lora, alpha = self.state_lora(row)
+            trainer = await self.queue.in_thread(self._build_trainer, lora, alpha)
+            await self.queue.in_thread(state.load_state, trainer, row["file"], path, with_optimizer)
+        except (UserInputError, NotFound) as e:
+            self.store.set_model_status(model_id, "failed")
+            raise JobError(str(e)) from None
+        self.trainers[model_id] = trainer
+        self.store.set_model_status(model_id, "ready")
+        return {"type": "load_weights", "path": path, "model_id": model_id}
+
+    def delete_checkpoint(self, owner: str, model_id: str, checkpoint_id: str) -> None:
+        path = f"{TINKER}{model_id}/{checkpoint_id}"
+        state.parse_path(path, "checkpoint_id")
+        row = self.store.delete_checkpoint(owner, path)
+        if row is None:
+            raise NotFound(f"checkpoint {path!r} not found", "checkpoint_id")
+        state.remove_files(row["file"])  # after the row is gone: a kill here leaves only unlisted files
 
     async def save_for_sampler(self, owner: str, model_id: str, name: str | None) -> dict[str, Any]:
         trainer = self.trainer(owner, model_id)
         ephemeral = name is None
         if ephemeral:
-            name = f"ephemeral-{len(self.store.list_checkpoints(owner, model_id)):06d}"
+            # unique, not a count: after a delete a count would name (and overwrite) a live checkpoint
+            name = f"ephemeral-{uuid.uuid4().hex[:12]}"
         if "/" in name or name.startswith("."):
             raise JobError(f"path {name!r}: a checkpoint name may not contain '/' or start with '.'")
         deltas = await self.queue.in_thread(trainer.merged_lora_deltas)
@@ -157,7 +239,7 @@ class Service:
         save_file(deltas, str(tmp))
         os.replace(tmp, file)
         path = f"{TINKER}{model_id}/sampler_weights/{name}"
-        self.store.add_checkpoint(owner, path, model_id, "sampler", name, str(file))
+        self.store.add_checkpoint(owner, path, model_id, "sampler", name, str(file), file.stat().st_size)
         out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": path}
         if ephemeral:
             out["sampling_session_id"] = self.store.add_sampling_session(owner, path, self.model_name)
@@ -177,6 +259,9 @@ class Service:
             ck = self.store.checkpoint(owner, model_path)
             if ck is None:
                 raise NotFound(f"model_path {model_path!r} not found", "model_path")
+            if ck["kind"] != "sampler":
+                raise UserInputError(f"model_path {model_path!r} is a training state (save_state); sample from "
+                                     f"a save_weights_for_sampler path (.../sampler_weights/<name>)", "model_path")
             # keyed by save time too: a name saved again holds new weights
             return f"{model_path}@{ck['created']}", ck["file"]
         if base_model is None:
@@ -195,5 +280,5 @@ class Service:
 
         return await self.sampler.run(key, deltas, prompt, n, params, prompt_logprobs)
 
-    def model_config_json(self, lora: dict[str, Any]) -> str:
-        return json.dumps({"lora": lora})
+    def model_config_json(self, lora: dict[str, Any], user_metadata: dict[str, Any] | None = None) -> str:
+        return json.dumps({"lora": lora, "user_metadata": user_metadata})

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
-from sqlalchemy import (Column, Float, Integer, LargeBinary, MetaData, String, Table, Text, create_engine,
-                        insert, select, update)
+from sqlalchemy import (BigInteger, Column, Float, Integer, LargeBinary, MetaData, String, Table, Text, create_engine,
+                        func, inspect, insert, select, text, update)
+from sqlalchemy.engine import Engine
 
 metadata = MetaData()
 
@@ -62,9 +64,30 @@ checkpoints = Table(
     Column("model_id", String(64), nullable=False),
     Column("kind", String(16), nullable=False),  # sampler | state
     Column("name", String(256), nullable=False),
-    Column("file", Text, nullable=False),
+    Column("file", Text, nullable=False),  # a safetensors file (sampler) or a folder (state)
     Column("created", Float, nullable=False),
+    Column("size_bytes", BigInteger),  # 64-bit: PostgreSQL's INTEGER stops at 2 GiB
+    Column("user_metadata", Text),  # JSON object, as the client sent it
 )
+
+# the PostgreSQL advisory lock (per database) held while a server creates or upgrades the tables
+SCHEMA_LOCK_KEY = 0x6D6D726C  # "mmrl"
+
+
+@contextmanager
+def schema_lock(engine: Engine) -> Iterator[None]:
+    """Serialise schema setup between servers sharing one PostgreSQL database: two servers starting
+    together would both see a table missing, and the second CREATE TABLE fails (a unique violation
+    in pg_type). Other dialects: no lock (SQLite is one server's file)."""
+    if engine.dialect.name != "postgresql":
+        yield
+        return
+    with engine.connect() as c:
+        c.execute(text("SELECT pg_advisory_lock(:k)"), {"k": SCHEMA_LOCK_KEY})
+        try:
+            yield
+        finally:
+            c.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": SCHEMA_LOCK_KEY})
 
 
 def new_id(prefix: str) -> str:
@@ -77,7 +100,21 @@ class Store:
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False}
         self.engine = create_engine(url, **kwargs)
-        metadata.create_all(self.engine)
+        with schema_lock(self.engine):
+            metadata.create_all(self.engine)
+            self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """A database made by an older server lacks the nullable columns added since: add them
+        (create_all only makes missing tables)."""
+        db = inspect(self.engine)
+        for table in metadata.sorted_tables:
+            have = {c["name"] for c in db.get_columns(table.name)}
+            for col in table.columns:
+                if col.name not in have and col.nullable:
+                    kind = col.type.compile(dialect=self.engine.dialect)
+                    with self.engine.begin() as c:
+                        c.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {col.name} {kind}"))
 
     def _insert(self, table: Table, **row: Any) -> None:
         with self.engine.begin() as c:
@@ -104,8 +141,9 @@ class Store:
         return self._one(sessions, owner, "id", session_id)
 
     # models
-    def add_model(self, owner: str, session_id: str, base_model: str, rank: int, config_json: str) -> str:
-        mid = new_id("model")
+    def add_model(self, owner: str, session_id: str, base_model: str, rank: int, config_json: str,
+                  model_id: str | None = None) -> str:
+        mid = model_id or new_id("model")
         self._insert(models, id=mid, owner=owner, session_id=session_id, base_model=base_model, lora_rank=rank,
                      config_json=config_json, status="creating", created=time.time())
         return mid
@@ -121,6 +159,11 @@ class Store:
         with self.engine.connect() as c:
             return [dict(r) for r in c.execute(select(models).where(models.c.owner == owner)
                                                .order_by(models.c.created)).mappings()]
+
+    def last_request(self, model_id: str) -> float | None:
+        """When the model's newest request was submitted (None before any)."""
+        with self.engine.connect() as c:
+            return c.execute(select(func.max(futures.c.created)).where(futures.c.model_id == model_id)).scalar()
 
     # futures
     def add_future(self, owner: str, model_id: str | None, kind: str) -> str:
@@ -157,18 +200,35 @@ class Store:
         return self._one(sampling_sessions, owner, "id", sid)
 
     # checkpoints
-    def add_checkpoint(self, owner: str, path: str, model_id: str, kind: str, name: str, file: str) -> None:
+    def add_checkpoint(self, owner: str, path: str, model_id: str, kind: str, name: str, file: str,
+                       size_bytes: int | None = None, user_metadata: str | None = None) -> dict[str, Any] | None:
+        """Record a checkpoint (replacing one saved under the same path, which is returned, so its
+        files can go once the new row is committed)."""
         with self.engine.begin() as c:
+            old = c.execute(select(checkpoints).where(checkpoints.c.path == path)).mappings().first()
             c.execute(checkpoints.delete().where(checkpoints.c.path == path))
             c.execute(insert(checkpoints).values(path=path, owner=owner, model_id=model_id, kind=kind, name=name,
-                                                 file=file, created=time.time()))
+                                                 file=file, created=time.time(), size_bytes=size_bytes,
+                                                 user_metadata=user_metadata))
+        return dict(old) if old else None
+
+    def delete_checkpoint(self, owner: str, path: str) -> dict[str, Any] | None:
+        """Remove the owner's checkpoint row; the removed row, or None if there was none."""
+        with self.engine.begin() as c:
+            row = c.execute(select(checkpoints).where(checkpoints.c.path == path, checkpoints.c.owner == owner)
+                            ).mappings().first()
+            if row is not None:
+                c.execute(checkpoints.delete().where(checkpoints.c.path == path))
+        return dict(row) if row else None
 
     def checkpoint(self, owner: str, path: str) -> dict[str, Any] | None:
         return self._one(checkpoints, owner, "path", path)
 
-    def list_checkpoints(self, owner: str, model_id: str | None = None) -> list[dict[str, Any]]:
+    def list_checkpoints(self, owner: str, model_id: str | None = None,
+                         newest_first: bool = False) -> list[dict[str, Any]]:
         q = select(checkpoints).where(checkpoints.c.owner == owner)
         if model_id is not None:
             q = q.where(checkpoints.c.model_id == model_id)
+        order = checkpoints.c.created.desc() if newest_first else checkpoints.c.created
         with self.engine.connect() as c:
-            return [dict(r) for r in c.execute(q.order_by(checkpoints.c.created)).mappings()]
+            return [dict(r) for r in c.execute(q.order_by(order)).mappings()]

@@ -1,0 +1,176 @@
+"""Training state checkpoints (`save_state` / `load_state`): a LoRA adapter and its AdamW state.
+
+A state checkpoint is a folder under `serve.store_dir/checkpoints/<model_id>/weights/`:
+- `adapter.safetensors`: the trainable LoRA tensors (peft names), exactly as trained;
+- `optimizer.safetensors`: AdamW's per-parameter state (`<param name>::step|exp_avg|exp_avg_sq`),
+  absent when no optim_step ran yet;
+- `meta.json`: the base model, the LoRA config, the step count and the optimizer's hyperparameters.
+Tensors are keyed by parameter name, not by the optimizer's positional ids, so a checkpoint loads
+into any trainer with the same adapter layout and says which tensor differs when it does not.
+
+Writes are atomic: the folder is written under a `.tmp-` name, renamed to a name no earlier save
+used, and only then recorded in the store; a kill leaves a `.tmp-` folder (swept at the next
+start) or an unlisted folder, never a listed half checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrl.serve.trainer import LoraTrainer, UserInputError
+
+TINKER = "tinker://"
+# the path segment of each checkpoint kind, and the store's name for that kind
+SEGMENT_KIND = {"weights": "state", "sampler_weights": "sampler"}
+SDK_TYPE = {"state": "training", "sampler": "sampler"}  # Checkpoint.checkpoint_type
+FORMAT = 1
+TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class CheckpointPath:
+    path: str
+    model_id: str
+    kind: str  # state | sampler
+    name: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path.split("/", 3)[3]
+
+
+def parse_path(path: Any, field: str = "path") -> CheckpointPath:
+    """`tinker://<model_id>/weights/<name>` or `.../sampler_weights/<name>`; anything else is a 400
+    naming the path."""
+    parts = path[len(TINKER):].split("/") if isinstance(path, str) and path.startswith(TINKER) else []
+    if len(parts) != 3 or not all(parts) or parts[1] not in SEGMENT_KIND:
+        raise UserInputError(f"{field} {path!r} is not a checkpoint path: expected "
+                             f"tinker://<training_run_id>/weights/<name> (or /sampler_weights/<name>)", field)
+    return CheckpointPath(path, parts[0], SEGMENT_KIND[parts[1]], parts[2])
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise UserInputError("path (the checkpoint name) is required", "path")
+    if "/" in name or name.startswith("."):
+        raise UserInputError(f"path {name!r}: a checkpoint name may not contain '/' or start with '.'", "path")
+    return name
+
+
+def trainable_names(trainer: LoraTrainer) -> list[str]:
+    """Names of `trainer.params`, in the same order (the optimizer's positional ids)."""
+    return [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+
+
+# ---- save -----------------------------------------------------------------------------------------
+def optimizer_tensors(trainer: LoraTrainer) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """(per-parameter AdamW state keyed by name, the hyperparameters) — ({}, None) before any step."""
+    if trainer.optimizer is None:
+        return {}, None
+    sd = trainer.optimizer.state_dict()
+    if len(sd["param_groups"]) != 1:  # LoraTrainer builds one group; a second would need its own ids
+        raise RuntimeError("optimizer state with several parameter groups is not supported")
+    names = trainable_names(trainer)
+    tensors = {f"{names[i]}::{k}": v.detach().clone().contiguous()
+               for i, entry in sd["state"].items() for k, v in entry.items()}
+    hyper = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+    return tensors, hyper
+
+
+def write_state(trainer: LoraTrainer, root: Path, name: str, meta: dict[str, Any]) -> tuple[Path, int]:
+    """Write the trainer's state as a new folder under `root`; (the folder, its size in bytes)."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex[:12]
+    tmp = root / f"{TMP_PREFIX}{token}"
+    tmp.mkdir()
+    try:
+        save_file(trainer.adapter_state(), str(tmp / "adapter.safetensors"))
+        opt, hyper = optimizer_tensors(trainer)
+        if opt:
+            save_file(opt, str(tmp / "optimizer.safetensors"))
+        full = {**meta, "format": FORMAT, "steps": trainer.steps, "optimizer": hyper}
+        (tmp / "meta.json").write_text(json.dumps(full, indent=1))
+        final = root / f"{name}.{token}"
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final, sum(f.stat().st_size for f in final.iterdir())
+
+
+def sweep_partial(checkpoints_dir: Path) -> int:
+    """Remove `.tmp-` folders a killed save left behind; how many."""
+    found = list(checkpoints_dir.glob(f"*/weights/{TMP_PREFIX}*")) if checkpoints_dir.is_dir() else []
+    for folder in found:
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(found)
+
+
+def remove_files(file: str) -> None:
+    """Delete a checkpoint's files: a state folder or a sampler safetensors file."""
+    p = Path(file)
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+# ---- load -----------------------------------------------------------------------------------------
+def read_meta(folder: str | Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / "meta.json").read_text())
+
+
+def load_state(trainer: LoraTrainer, folder: str | Path, path: str, with_optimizer: bool) -> None:
+    """Load a state folder into `trainer`: the adapter always; AdamW's moments and step count
+    when `with_optimizer`, else a fresh optimizer (the next optim_step starts Adam anew). Gradients
+    accumulated before the load are dropped: they belong to the replaced weights."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    meta = read_meta(folder)
+    _copy_adapter(trainer, load_file(str(folder / "adapter.safetensors")), path)
+    trainer.optimizer = None
+    for p in trainer.params:
+        p.grad = None
+    if with_optimizer and meta.get("optimizer") is not None:
+        trainer.optimizer = _restored_optimizer(trainer, load_file(str(folder / "optimizer.safetensors")),
+                                                meta["optimizer"])
+    trainer.steps = int(meta.get("steps", 0)) if with_optimizer else 0
+
+
+def _copy_adapter(trainer: LoraTrainer, saved: dict[str, torch.Tensor], path: str) -> None:
+    own = {n: p for n, p in trainer.model.named_parameters() if ".lora_" in n}
+    missing, extra = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
+    if missing or extra:
+        raise UserInputError(f"path {path!r}: its adapter does not match this model's LoRA layout "
+                             f"({len(missing)} tensors missing, {len(extra)} unexpected, e.g. "
+                             f"{(missing or extra)[0]})", "path")
+    for n, p in own.items():
+        if tuple(saved[n].shape) != tuple(p.shape):
+            raise UserInputError(f"path {path!r}: {n} has shape {tuple(saved[n].shape)}, this model's is "
+                                 f"{tuple(p.shape)} (another LoRA rank?)", "path")
+    with torch.no_grad():
+        for n, p in own.items():
+            p.copy_(saved[n].to(p.dtype))
+
+
+def _restored_optimizer(trainer: LoraTrainer, saved: dict[str, torch.Tensor],
+                        hyper: dict[str, Any]) -> torch.optim.AdamW:
+    names = trainable_names(trainer)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for i, name in enumerate(names):
+        entry = {k.split("::", 1)[1]: v for k, v in saved.items() if k.split("::", 1)[0] == name}
+        if entry:
+            state[i] = entry
+    optimizer = torch.optim.AdamW(trainer.params, lr=float(hyper.get("lr", 1e-4)))
+    group = {**hyper, "betas": tuple(hyper.get("betas", (0.9, 0.95))), "params": list(range(len(names)))}
+    optimizer.load_state_dict({"state": state, "param_groups": [group]})
+    return optimizer
