@@ -7,7 +7,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 KEY_A = "tml-test-key-aaaaaaaaaaaaaaaa"
 KEY_B = "tml-test-key-bbbbbbbbbbbbbbbb"
@@ -15,7 +15,7 @@ START_TIMEOUT_S = 600  # a hang guard (vLLM start on a loaded 2-core machine), n
 
 
 def serve_in_thread(model_dir: Path, store_dir: Path, sampler: str = "trainer",
-                    extra: tuple[str, ...] = ()) -> Iterator[str]:
+                    extra: tuple[str, ...] = (), on_app: Callable[[Any], None] | None = None) -> Iterator[str]:
     import uvicorn
 
     from mmrl.config import load_config
@@ -24,6 +24,8 @@ def serve_in_thread(model_dir: Path, store_dir: Path, sampler: str = "trainer",
     cfg = load_config(None, [f"model.path={model_dir}", f"serve.store_dir={store_dir}", f"serve.sampler={sampler}",
                              "serve.model_name=tiny-vlm", *extra], check_files=False)
     app = build_app(cfg, keys=[KEY_A, KEY_B])
+    if on_app is not None:  # a test that reaches the app's state (e.g. app.state.quotas' clock)
+        on_app(app)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

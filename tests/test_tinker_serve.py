@@ -159,3 +159,32 @@ def test_wrong_expected_tokens_names_the_image_and_both_counts(trained, tiny_mod
     n = image.expected_tokens - 3
     with pytest.raises(Exception, match=rf"chunks\[1\].*expected_tokens={n + 3} but this image is {n} tokens"):
         tc.forward_backward([datum], "cross_entropy").result()
+
+
+def test_datums_batched_in_one_forward_score_as_each_alone(trained, tiny_model_dir):
+    """Datums of different lengths, with and without an image, share training forwards (right-padded
+    rows, vision inputs in row order): each scores exactly as it does alone, and a datum with a bad
+    input refuses the whole call before any gradient accumulates."""
+    tc, ids, text_datum, _ = trained
+    pre, image, post, full = image_input(tc.get_tokenizer(), tiny_model_dir)
+    image_datum = types.Datum(
+        model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=pre), image,
+                                             types.EncodedTextChunk(tokens=post[:-1])]),
+        loss_fn_inputs={"target_tokens": np.array(full[1:], dtype=np.int64)})
+    short = types.Datum(model_input=types.ModelInput.from_ints(ids[:3]),
+                        loss_fn_inputs={"target_tokens": np.array(ids[1:4], dtype=np.int64)})
+    data = [text_datum, image_datum, short, image_datum]
+    together = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+    for datum, out in zip(data, together):
+        alone = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]
+        np.testing.assert_allclose(out["logprobs"].to_numpy(), alone["logprobs"].to_numpy(), atol=2e-5)
+    def rl(n_advantages: int) -> types.Datum:
+        return types.Datum(model_input=short.model_input, loss_fn_inputs={
+            "target_tokens": np.array(ids[1:4], dtype=np.int64), "logprobs": np.zeros(3, dtype=np.float32),
+            "advantages": np.ones(n_advantages, dtype=np.float32)})
+    before = tc.forward([short], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    with pytest.raises(Exception, match=r"data\[1\]\.loss_fn_inputs\.advantages has 2 values"):
+        tc.forward_backward([rl(3), rl(2)], "importance_sampling").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # no gradient from the refused call: no change
+    after = tc.forward([short], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_array_equal(before, after)

@@ -169,6 +169,9 @@ def _check_positive(cfg: Config) -> None:
         "stability.window": cfg.stability.window >= 1,
         "stability.patience": cfg.stability.patience >= 1,
         "stability.lr_scale": cfg.stability.lr_scale > 0,
+        "serve.quota_max_models": cfg.serve.quota_max_models is None or cfg.serve.quota_max_models >= 1,
+        "serve.quota_sampled_tokens_per_minute": (cfg.serve.quota_sampled_tokens_per_minute is None
+                                                  or cfg.serve.quota_sampled_tokens_per_minute >= 1),
     }
     for key, ok in checks.items():
         if not ok:

@@ -20,6 +20,7 @@ from mmrl.serve.auth import AuthError, Keys
 from mmrl.serve.futures import JobError
 from mmrl.serve.inputs import build_prompt
 from mmrl.serve.losses import LossInputError, check_loss_name
+from mmrl.serve.quota import KeyQuotas, QuotaExceeded
 from mmrl.serve.sampler import SampleParams
 from mmrl.serve.service import NotFound, Service
 from mmrl.serve.state_routes import state_router
@@ -54,6 +55,7 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="mmrl serve (Tinker API)", lifespan=lifespan)
+    quotas = app.state.quotas = KeyQuotas.from_config(service.cfg.serve)
 
     @app.middleware("http")
     async def errors_and_auth(request: Request, call_next: Any) -> Response:
@@ -73,6 +75,10 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
     @app.exception_handler(NotFound)
     async def not_found(_request: Request, e: NotFound) -> JSONResponse:
         return _err(404, str(e), e.field)
+
+    @app.exception_handler(QuotaExceeded)
+    async def over_quota(_request: Request, e: QuotaExceeded) -> JSONResponse:
+        return JSONResponse({"error": str(e), "field": e.field, "detail": str(e)}, status_code=429, headers=e.headers)
 
     @app.exception_handler(JobError)
     async def job_error(_request: Request, e: JobError) -> JSONResponse:
@@ -150,9 +156,11 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         session_id = str(need(data, "session_id"))
         if service.store.session(owner, session_id) is None:
             raise NotFound(f"session_id {session_id!r} not found", "session_id")
+        quotas.check_models(owner, service)
         mid = service.store.add_model(owner, session_id, data["base_model"], rank,
                                       service.model_config_json(lora, data.get("user_metadata")))
-        return future(request, mid, "create_model", lambda: service.create_model(mid, lora), lane=mid)
+        job = quotas.model_job(owner, mid, lambda: service.create_model(mid, lora))
+        return future(request, mid, "create_model", job, lane=mid)
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict:
@@ -268,12 +276,13 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
                             "target_prompt_logprobs"):
             if data.get(unsupported):
                 raise UserInputError(f"{unsupported} is not supported by this server yet", unsupported)
+        charge = quotas.admit_sample(owner, n, params.max_tokens)  # 429 / 400 over the key's quota
 
-        async def job() -> tuple[bytes, str]:
+        async def job() -> tuple[dict, tuple[bytes, str]]:
             out = await service.sample(key, file, prompt, n, params, want_prompt)
-            return wire.sample_response(out["sequences"], out.get("prompt_logprobs")), PROTO
+            return out, (wire.sample_response(out["sequences"], out.get("prompt_logprobs")), PROTO)
 
-        out = future(request, None, "sample", job)
+        out = future(request, None, "sample", quotas.sampling_job(charge, job))
         out["sample_sequence_ids"] = [f"{out['request_id']}-{i}" for i in range(n)]
         return out
 
@@ -292,7 +301,7 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         return Response(content=row["result"], media_type=row["content_type"])
 
     # save_state / load_state, weights_info, training runs and checkpoint listings (state_routes.py)
-    app.include_router(state_router(service, body, need, future))
+    app.include_router(state_router(service, body, need, future, quotas))
 
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unsupported(rest: str) -> JSONResponse:

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from mmrl.serve import state
+from mmrl.serve.quota import KeyQuotas
 from mmrl.serve.service import NotFound, Service
 from mmrl.serve.trainer import UserInputError
 
@@ -48,8 +49,11 @@ def _cursor(limit: int, offset: int, total: int) -> dict[str, int]:
     return {"limit": limit, "offset": offset, "total_count": total}
 
 
-def state_router(service: Service, body: Callable, need: Callable, future: Callable) -> APIRouter:
-    """The routes, sharing app.py's body parsing (`body`, `need`) and future submission (`future`)."""
+def state_router(service: Service, body: Callable, need: Callable, future: Callable,
+                 quotas: KeyQuotas | None = None) -> APIRouter:
+    """The routes, sharing app.py's body parsing (`body`, `need`), future submission (`future`) and
+    the key quotas (a model created from a state counts against `serve.quota_max_models`)."""
+    quotas = quotas or KeyQuotas()
     router = APIRouter()
     store = service.store
 
@@ -118,11 +122,12 @@ def state_router(service: Service, body: Callable, need: Callable, future: Calla
         mid = f"{session_id}:train:{seq}"
         if store.model(owner, mid) is not None:
             raise UserInputError(f"model_seq_id {seq} is already used in session {session_id!r}", "model_seq_id")
+        quotas.check_models(owner, service)
         store.add_model(owner, session_id, base_model, int(lora["rank"]),
                         service.model_config_json(lora, data.get("user_metadata")), model_id=mid)
         path = row["path"]
-        return future(request, mid, "load_weights",
-                      lambda: service.create_from_state(owner, mid, path, with_optimizer), lane=mid)
+        job = quotas.model_job(owner, mid, lambda: service.create_from_state(owner, mid, path, with_optimizer))
+        return future(request, mid, "load_weights", job, lane=mid)
 
     @router.post("/api/v1/weights_info")
     async def weights_info(request: Request) -> dict:

@@ -19,6 +19,10 @@ from mmrl.serve.losses import LOSSES, LossInputError, check_loss_name
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+# Padded tokens per training forward: datums are batched up to this, so a group's samples share a
+# pass instead of one pass each. The bound is the logits: tokens x vocabulary x 4 bytes (2048 tokens
+# of a 152k-token vocabulary: 1.2 GB, twice that with their gradient).
+MICRO_BATCH_TOKENS = 2048
 
 
 class UserInputError(ValueError):
@@ -76,18 +80,60 @@ class LoraTrainer:
         self.model.train()
 
     # ---- forward / backward ------------------------------------------------------------------
-    def _logprobs(self, prompt: Any, targets: torch.Tensor) -> torch.Tensor:
-        """logprob of targets[t] after prompt.ids[:t+1] (a `mmrl.serve.inputs.Prompt`)."""
+    def _logprobs_batch(self, prompts: list[Any], targets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per datum, logprob of targets[t] after prompt.ids[:t+1] (`mmrl.serve.inputs.Prompt`s), in
+        one forward: rows RIGHT-padded, so under causal attention a row's real tokens never see its
+        pads; the vision inputs concatenated in row order, as the processor batches them."""
         from mmrl.trainer.batch import model_positions
 
-        ids = prompt.ids
-        kwargs: dict[str, Any] = dict(prompt.mm_inputs)
-        if prompt.positions_AP is not None:  # images: M-RoPE positions from the processor
-            kwargs["position_ids"] = model_positions(prompt.positions_AP[:, None, :])
-        out = self.model(input_ids=torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
-                         **kwargs)
-        logp = torch.log_softmax(out.logits[0].float(), dim=-1)
-        return logp.gather(-1, targets.view(-1, 1)).squeeze(-1)
+        L = max(len(p.ids) for p in prompts)
+        ids_BL = torch.zeros((len(prompts), L), dtype=torch.long)
+        mask_BL = torch.zeros((len(prompts), L), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids_BL[b, :len(p.ids)] = torch.tensor(p.ids)
+            mask_BL[b, :len(p.ids)] = 1
+        kwargs: dict[str, Any] = {}
+        for key in sorted({k for p in prompts for k in p.mm_inputs}):
+            kwargs[key] = torch.cat([p.mm_inputs[key] for p in prompts if key in p.mm_inputs])
+        with_positions = [p.positions_AP for p in prompts if p.positions_AP is not None]
+        if with_positions:  # images: M-RoPE positions from the processor; text rows count along every axis
+            A = with_positions[0].shape[0]
+            pos_ABL = torch.zeros((A, len(prompts), L), dtype=torch.long)
+            for b, p in enumerate(prompts):
+                pos = p.positions_AP if p.positions_AP is not None else torch.arange(len(p.ids)).expand(A, -1)
+                pos_ABL[:, b, :len(p.ids)] = pos
+            kwargs["position_ids"] = model_positions(pos_ABL)
+        logits_BLV = self.model(input_ids=ids_BL, attention_mask=mask_BL, **kwargs).logits.float()
+        lse_BL = torch.logsumexp(logits_BLV, dim=-1)  # no (B, L, V) log-softmax copy
+        return [logits_BLV[b, :len(t)].gather(-1, t.view(-1, 1)).squeeze(-1) - lse_BL[b, :len(t)]
+                for b, t in enumerate(targets)]
+
+    def _micro_batches(self, prompts: list[Any]) -> list[list[int]]:
+        """Datum indices in order, cut so no micro-batch holds more than MICRO_BATCH_TOKENS padded
+        tokens (one datum alone may exceed it)."""
+        batches: list[list[int]] = [[]]
+        longest = 0
+        for i, p in enumerate(prompts):
+            longest_if_added = max(longest, len(p.ids))
+            if batches[-1] and longest_if_added * (len(batches[-1]) + 1) > MICRO_BATCH_TOKENS:
+                batches.append([])
+                longest_if_added = len(p.ids)
+            batches[-1].append(i)
+            longest = longest_if_added
+        return batches
+
+    def _checked_targets(self, prompt: Any, loss_inputs: dict[str, np.ndarray], where: str) -> torch.Tensor:
+        if "target_tokens" not in loss_inputs:
+            raise UserInputError(f"{where}.loss_fn_inputs.target_tokens is required",
+                                 f"{where}.loss_fn_inputs.target_tokens")
+        targets = torch.tensor(np.array(loss_inputs["target_tokens"], dtype=np.int64).reshape(-1))
+        if targets.numel() != len(prompt.ids):
+            raise UserInputError(f"{where}.loss_fn_inputs.target_tokens has {targets.numel()} tokens, the model "
+                                 f"input has {len(prompt.ids)}", f"{where}.loss_fn_inputs.target_tokens")
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= self.vocab_size):
+            raise UserInputError(f"{where}.loss_fn_inputs.target_tokens: ids must be in [0, {self.vocab_size})",
+                                 f"{where}.loss_fn_inputs.target_tokens")
+        return targets
 
     def forward_backward(self, prompts: list[Any], data: list[dict[str, np.ndarray]], loss_fn: str,
                          config: dict[str, Any], backward: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
@@ -98,34 +144,29 @@ class LoraTrainer:
         if not data:
             raise UserInputError("data is empty", "data")
         loss_fn_impl = LOSSES[loss_fn]
-        outputs, total = [], 0.0
-        for i, (prompt, loss_inputs) in enumerate(zip(prompts, data)):
-            where = f"data[{i}]"
-            ids = prompt.ids
-            if "target_tokens" not in loss_inputs:
-                raise UserInputError(f"{where}.loss_fn_inputs.target_tokens is required",
-                                     f"{where}.loss_fn_inputs.target_tokens")
-            targets = torch.tensor(np.array(loss_inputs["target_tokens"], dtype=np.int64).reshape(-1))
-            if targets.numel() != len(ids):
-                raise UserInputError(f"{where}.loss_fn_inputs.target_tokens has {targets.numel()} tokens, the model "
-                                     f"input has {len(ids)}", f"{where}.loss_fn_inputs.target_tokens")
-            if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= self.vocab_size):
-                raise UserInputError(f"{where}.loss_fn_inputs.target_tokens: ids must be in [0, {self.vocab_size})",
-                                     f"{where}.loss_fn_inputs.target_tokens")
-            inputs = {k: torch.tensor(np.array(v, dtype=np.float32)) for k, v in loss_inputs.items()
-                      if k != "target_tokens"}
+        # every datum checked before any gradient accumulates (the loss on stand-in logprobs checks its
+        # inputs and config): a bad datum leaves the gradients of earlier calls as they were
+        targets = [self._checked_targets(p, d, f"data[{i}]") for i, (p, d) in enumerate(zip(prompts, data))]
+        inputs = [{k: torch.tensor(np.array(v, dtype=np.float32)) for k, v in d.items() if k != "target_tokens"}
+                  for d in data]
+        for i, (t, x) in enumerate(zip(targets, inputs)):
+            try:
+                loss_fn_impl(torch.zeros(t.numel()), x, config, f"data[{i}]")
+            except LossInputError as e:
+                raise UserInputError(str(e), e.field) from None
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
+        total = 0.0
+        for batch in self._micro_batches(prompts):
             with torch.set_grad_enabled(backward):
-                logp = self._logprobs(prompt, targets)
-                try:
-                    loss_T = loss_fn_impl(logp, inputs, config, where)
-                except LossInputError as e:
-                    raise UserInputError(str(e), e.field) from None
-                loss = loss_T.sum()
+                logps = self._logprobs_batch([prompts[i] for i in batch], [targets[i] for i in batch])
+                losses = [loss_fn_impl(logp, inputs[i], config, f"data[{i}]") for i, logp in zip(batch, logps)]
+                loss = torch.stack([loss_T.sum() for loss_T in losses]).sum()
                 if backward:
                     loss.backward()
             total += float(loss.detach())
-            outputs.append({"logprobs": logp.detach().numpy().astype(np.float32),
-                            "elementwise_loss": loss_T.detach().numpy().astype(np.float32)})
+            for i, logp, loss_T in zip(batch, logps, losses):
+                outputs[i] = {"logprobs": logp.detach().numpy().astype(np.float32),
+                              "elementwise_loss": loss_T.detach().numpy().astype(np.float32)}
         return outputs, {"loss:sum": total}
 
     # ---- optimizer -----------------------------------------------------------------------------
