@@ -5,7 +5,8 @@ Calls of one model run in submission order on that model's lane (an asyncio task
 queue), so `forward_backward` + `optim_step` can be queued back to back. Model work (torch) runs on
 one worker thread: training clients share the machine's cores, and a tiny model gains nothing from
 running two at once. Results and failures are written to the store, so a finished future survives
-a server restart; `retrieve_future` long-polls (up to `POLL_S`) before answering `try_again`.
+a server restart; `retrieve_future` long-polls (up to `POLL_S`) before answering `try_again`. A future
+another server runs (servers sharing one database) is long-polled in the database.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from typing import Any, Awaitable, Callable
 from mmrl.serve.store import Store
 
 POLL_S = 20.0
+# How often a long-poll re-reads a future another server runs: one primary-key SELECT per waiting
+# call, and a result reaches the client at most this late.
+DB_POLL_S = 0.5
 log = logging.getLogger("mmrl.serve")
 
 # A job returns (payload, content type): JSON-able dicts become application/json.
@@ -34,8 +38,11 @@ class JobError(Exception):
 
 
 class FutureQueue:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, server_id: str | None = None,
+                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep):
         self.store = store
+        self.server_id = server_id  # recorded on each future: who runs it
+        self._sleep = sleep  # between database reads of another server's future
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmrl-serve-model")
         self._lanes: dict[str, asyncio.Queue] = {}
         self._lane_tasks: dict[str, asyncio.Task] = {}
@@ -48,7 +55,7 @@ class FutureQueue:
     def submit(self, owner: str, model_id: str | None, kind: str, job: Job, lane: str | None = None) -> str:
         """Record a pending future and schedule `job`: on `lane` (in order with the lane's other
         jobs) or, with no lane, at once."""
-        fid = self.store.add_future(owner, model_id, kind)
+        fid = self.store.add_future(owner, model_id, kind, self.server_id)
         self._events[fid] = asyncio.Event()
         if lane is None:
             task = asyncio.get_running_loop().create_task(self._run(fid, job))
@@ -90,12 +97,24 @@ class FutureQueue:
         if row is None or row["status"] != "pending":
             return row
         event = self._events.get(fid)
-        if event is not None:
-            try:
-                await asyncio.wait_for(event.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
+        if event is None:  # another server runs it (or it finished just now)
+            return await self._poll(owner, fid, timeout)
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
         return self.store.future(owner, fid)
+
+    async def _poll(self, owner: str, fid: str, timeout: float) -> dict[str, Any] | None:
+        """Re-read the future every `DB_POLL_S` until it is no longer pending or `timeout` passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            row = self.store.future(owner, fid)
+            left = deadline - loop.time()
+            if row is None or row["status"] != "pending" or left <= 0:
+                return row
+            await self._sleep(min(DB_POLL_S, left))
 
     async def close(self) -> None:
         for task in [*self._lane_tasks.values(), *self._loose]:

@@ -3,6 +3,7 @@ checkpoints that connect them (files under `serve.store_dir`, rows in the store)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -15,10 +16,11 @@ from mmrl.serve import state
 from mmrl.serve.futures import FutureQueue, JobError
 from mmrl.serve.inputs import Prompt
 from mmrl.serve.sampler import HfSampler, SampleParams, VllmSampler
-from mmrl.serve.store import Store
+from mmrl.serve.store import ServerHeartbeat, Store
 from mmrl.serve.trainer import LoraTrainer, UserInputError
 
 TINKER = state.TINKER
+log = logging.getLogger("mmrl.serve")
 
 
 class NotFound(Exception):
@@ -37,9 +39,9 @@ class Service:
         self.store_dir = Path(cfg.serve.store_dir).resolve()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(cfg.serve.db_url or f"sqlite:///{self.store_dir / 'serve.db'}")
-        failed = self.store.fail_pending("the server stopped before this request finished")
-        self.recovered_failed = failed
-        state.sweep_partial(self.store_dir / "checkpoints")  # saves a kill interrupted
+        self.heartbeat = ServerHeartbeat(self.store)  # this process's id and row in `servers`
+        self.server_id = self.heartbeat.server_id
+        self.recovered_failed = 0
         self.queue: FutureQueue | None = None
         self.trainers: dict[str, LoraTrainer] = {}
         self.sampler: Any = None
@@ -60,19 +62,35 @@ class Service:
             return None
 
     async def start(self) -> None:
-        self.queue = FutureQueue(self.store)
-        if self.cfg.serve.sampler.value == "trainer":
-            self.sampler = await self.queue.in_thread(
-                lambda: HfSampler(self.model_path, self.cfg.model.dtype.value, self.cfg.model.trust_remote_code))
-        else:
-            self.sampler = VllmSampler(self._engine_kwargs(), self._engine_env(), self._base_state)
-        await self.sampler.start()
+        try:
+            self._join_servers()
+            self.queue = FutureQueue(self.store, self.server_id)
+            if self.cfg.serve.sampler.value == "trainer":
+                self.sampler = await self.queue.in_thread(
+                    lambda: HfSampler(self.model_path, self.cfg.model.dtype.value, self.cfg.model.trust_remote_code))
+            else:
+                self.sampler = VllmSampler(self._engine_kwargs(), self._engine_env(), self._base_state)
+            await self.sampler.start()
+        except BaseException:  # no stop() follows a failed start: stop beating, or this server looks live
+            self.heartbeat.stop()
+            raise
+
+    def _join_servers(self) -> None:
+        """Register this server (heartbeat thread started), then clean up after servers that died:
+        their pending futures failed, their partial saves swept. Live servers sharing the database
+        and store_dir keep theirs."""
+        self.heartbeat.start()
+        self.recovered_failed = self.store.fail_abandoned()
+        swept = state.sweep_partial(self.store_dir / "checkpoints", self.store.live_servers())
+        log.info("server %s: %d requests of stopped servers failed, %d partial saves swept", self.server_id,
+                 self.recovered_failed, swept)
 
     async def stop(self) -> None:
         if self.sampler is not None:
             await self.sampler.shutdown()
         if self.queue is not None:
             await self.queue.close()
+        self.heartbeat.stop()  # after the queue: the requests it did not finish are failed
 
     # ---- vLLM engine settings (as `mmrl train` builds them) ---------------------------------------
     def _engine_env(self) -> dict[str, str]:
@@ -172,7 +190,7 @@ class Service:
         lora = json.loads(self.store.model(owner, model_id)["config_json"]).get("lora", {})
         meta = {"base_model": self.model_name, "lora": lora, "alpha": trainer.alpha}
         root = self.store_dir / "checkpoints" / model_id / "weights"
-        folder, size = await self.queue.in_thread(state.write_state, trainer, root, name, meta)
+        folder, size = await self.queue.in_thread(state.write_state, trainer, root, name, meta, self.server_id)
         old = self.store.add_checkpoint(owner, path, model_id, "state", name, str(folder), size,
                                         json.dumps(user_metadata) if user_metadata else None)
         if old is not None and old["file"] != str(folder):

@@ -8,14 +8,16 @@ A state checkpoint is a folder under `serve.store_dir/checkpoints/<model_id>/wei
 Tensors are keyed by parameter name, not by the optimizer's positional ids, so a checkpoint loads
 into any trainer with the same adapter layout and says which tensor differs when it does not.
 
-Writes are atomic: the folder is written under a `.tmp-` name, renamed to a name no earlier save
-used, and only then recorded in the store; a kill leaves a `.tmp-` folder (swept at the next
-start) or an unlisted folder, never a listed half checkpoint.
+Writes are atomic: the folder is written under a `.tmp-<server id>.<token>` name, renamed to a name
+no earlier save used, and only then recorded in the store; a kill leaves a `.tmp-` folder or an
+unlisted folder, never a listed half checkpoint. A server starting sweeps the `.tmp-` folders of
+servers that died (`sweep_partial`), not those of live servers sharing the store.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,11 @@ SEGMENT_KIND = {"weights": "state", "sampler_weights": "sampler"}
 SDK_TYPE = {"state": "training", "sampler": "sampler"}  # Checkpoint.checkpoint_type
 FORMAT = 1
 TMP_PREFIX = ".tmp-"
+# A dead server's `.tmp-` folder is swept only once nothing in it changed for this long. The server
+# id in the name is the real test; this bound guards a live server taken for dead (no heartbeat for
+# the store's STALE_S, e.g. the database unreachable) while it writes a large checkpoint, and
+# mtimes set by a shared filesystem's clock. A leftover only costs disk space until a later start.
+SWEEP_MIN_AGE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -83,13 +90,15 @@ def optimizer_tensors(trainer: LoraTrainer) -> tuple[dict[str, torch.Tensor], di
     return tensors, hyper
 
 
-def write_state(trainer: LoraTrainer, root: Path, name: str, meta: dict[str, Any]) -> tuple[Path, int]:
-    """Write the trainer's state as a new folder under `root`; (the folder, its size in bytes)."""
+def write_state(trainer: LoraTrainer, root: Path, name: str, meta: dict[str, Any],
+                server_id: str | None = None) -> tuple[Path, int]:
+    """Write the trainer's state as a new folder under `root`; (the folder, its size in bytes).
+    `server_id` (the writing server's) goes into the `.tmp-` name, for `sweep_partial`."""
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex[:12]
-    tmp = root / f"{TMP_PREFIX}{token}"
+    tmp = root / (f"{TMP_PREFIX}{server_id}.{token}" if server_id else f"{TMP_PREFIX}{token}")
     tmp.mkdir()
     try:
         save_file(trainer.adapter_state(), str(tmp / "adapter.safetensors"))
@@ -106,12 +115,40 @@ def write_state(trainer: LoraTrainer, root: Path, name: str, meta: dict[str, Any
     return final, sum(f.stat().st_size for f in final.iterdir())
 
 
-def sweep_partial(checkpoints_dir: Path) -> int:
-    """Remove `.tmp-` folders a killed save left behind; how many."""
+def tmp_server(folder: Path) -> str | None:
+    """The server id in a `.tmp-<server id>.<token>` name; None for a name from before server ids."""
+    rest = folder.name[len(TMP_PREFIX):]
+    return rest.rsplit(".", 1)[0] if "." in rest else None
+
+
+def last_change(folder: Path) -> float:
+    """The newest mtime of the folder and its files (a file being written keeps it fresh)."""
+    return max([folder.stat().st_mtime, *(f.stat().st_mtime for f in folder.iterdir())])
+
+
+def abandoned(folder: Path, live_servers: set[str], now: float) -> bool:
+    """A `.tmp-` folder no live server is writing: its server is not live and it has not changed
+    for SWEEP_MIN_AGE_S. A name without a server id was written by a server from before server ids
+    (one store is not shared with those), so it is abandoned."""
+    server = tmp_server(folder)
+    if server is None:
+        return True
+    if server in live_servers:
+        return False
+    try:
+        return now - last_change(folder) >= SWEEP_MIN_AGE_S
+    except FileNotFoundError:  # renamed or removed meanwhile: nothing to sweep
+        return False
+
+
+def sweep_partial(checkpoints_dir: Path, live_servers: set[str], now: float | None = None) -> int:
+    """Remove the `.tmp-` folders that saves of dead servers left behind (`abandoned`); how many."""
+    now = time.time() if now is None else now
     found = list(checkpoints_dir.glob(f"*/weights/{TMP_PREFIX}*")) if checkpoints_dir.is_dir() else []
-    for folder in found:
+    gone = [folder for folder in found if abandoned(folder, live_servers, now)]
+    for folder in gone:
         shutil.rmtree(folder, ignore_errors=True)
-    return len(found)
+    return len(gone)
 
 
 def remove_files(file: str) -> None:

@@ -2,17 +2,39 @@
 URL via `serve.db_url`): sessions, models (training runs), futures and their results, sampling
 sessions and checkpoints. Every row carries the owner (a hash of the API key, never the key), and
 every read filters by it, so one key cannot see another key's rows.
+
+Several servers may share one database. Each server process has an id and a row in `servers` whose
+heartbeat it refreshes (`ServerHeartbeat`); each future records the server that runs it. A future is
+failed as abandoned only when its server's heartbeat went stale (the process died), never because
+another server started.
 """
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import threading
 import time
 import uuid
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from sqlalchemy import (BigInteger, Column, Float, Integer, LargeBinary, MetaData, String, Table, Text, create_engine,
-                        func, inspect, insert, select, text, update)
+                        func, inspect, insert, or_, select, text, update)
 from sqlalchemy.engine import Engine
+
+log = logging.getLogger("mmrl.serve")
+
+# A server refreshes its heartbeat every HEARTBEAT_S: one single-row UPDATE, nothing for the
+# database, and a dead server's requests are failed within about STALE_S + HEARTBEAT_S.
+HEARTBEAT_S = 5.0
+# A server is taken for dead after STALE_S without a heartbeat: 12 missed beats, so a live server
+# is not failed for one slow beat (a loaded machine, a database failover, a long call holding the
+# GIL). Heartbeats are each host's wall clock, so hosts must agree to well within STALE_S (NTP does).
+# Taking a live server for dead fails its running requests; waiting a minute longer for a dead one
+# only keeps its clients long-polling, so the bound errs on the long side.
+STALE_S = 60.0
+SERVER_STOPPED = "the server running this request stopped before it finished"
 
 metadata = MetaData()
 
@@ -48,6 +70,16 @@ futures = Table(
     Column("category", String(16)),
     Column("created", Float, nullable=False),
     Column("finished", Float),
+    Column("server_id", String(64)),  # the server that runs it; null in a database from before server ids
+)
+servers = Table(
+    "servers", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("host", String(255)),
+    Column("pid", Integer),
+    Column("started", Float, nullable=False),
+    Column("last_heartbeat", Float, nullable=False),
+    Column("stopped", Float),  # when it stopped or was found stale; cleared by its next heartbeat
 )
 sampling_sessions = Table(
     "sampling_sessions", metadata,
@@ -165,10 +197,85 @@ class Store:
         with self.engine.connect() as c:
             return c.execute(select(func.max(futures.c.created)).where(futures.c.model_id == model_id)).scalar()
 
+    # servers
+    def add_server(self, server_id: str, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self._insert(servers, id=server_id, host=socket.gethostname()[:255], pid=os.getpid(), started=now,
+                     last_heartbeat=now)
+
+    def beat_server(self, server_id: str, now: float | None = None) -> bool:
+        """Refresh the server's heartbeat; False when it had been taken for stopped (its row marked
+        by another server, or gone), so its running requests were failed meanwhile."""
+        now = time.time() if now is None else now
+        with self.engine.begin() as c:
+            # FOR UPDATE (PostgreSQL): a reaper marking this row waits for the beat, or the beat for it
+            row = c.execute(select(servers.c.stopped).where(servers.c.id == server_id).with_for_update()).first()
+            if row is None:
+                c.execute(insert(servers).values(id=server_id, host=socket.gethostname()[:255], pid=os.getpid(),
+                                                 started=now, last_heartbeat=now))
+                return False
+            c.execute(update(servers).where(servers.c.id == server_id).values(last_heartbeat=now, stopped=None))
+        return row.stopped is None
+
+    def live_servers(self, now: float | None = None) -> set[str]:
+        """Ids of the servers whose heartbeat is fresh."""
+        cutoff = (time.time() if now is None else now) - STALE_S
+        with self.engine.connect() as c:
+            return set(c.execute(select(servers.c.id).where(servers.c.last_heartbeat >= cutoff,
+                                                            servers.c.stopped.is_(None))).scalars())
+
+    def fail_abandoned(self, now: float | None = None) -> int:
+        """At a server's start: fail every pending future that no live server runs (its server's
+        heartbeat is stale, its server is unknown, or it has no server id: a database from before
+        server ids). Futures of live servers are left running. How many were failed."""
+        now = time.time() if now is None else now
+        live = select(servers.c.id).where(servers.c.last_heartbeat >= now - STALE_S, servers.c.stopped.is_(None))
+        with self.engine.begin() as c:
+            self._mark_stale(c, now)  # first, as in reap_stale_servers: the same lock order
+            r = c.execute(update(futures).where(
+                futures.c.status == "pending", or_(futures.c.server_id.is_(None), futures.c.server_id.not_in(live))
+            ).values(status="failed", error=SERVER_STOPPED, category="server", finished=now))
+        return r.rowcount
+
+    def reap_stale_servers(self, now: float | None = None) -> int:
+        """Periodically, from every live server: fail the pending futures of the servers whose
+        heartbeat went stale since the last look, and mark those servers stopped (so the next look
+        reads only the small servers table). How many futures were failed."""
+        now = time.time() if now is None else now
+        with self.engine.begin() as c:
+            stale = self._mark_stale(c, now)
+            if not stale:
+                return 0
+            r = c.execute(update(futures).where(futures.c.status == "pending", futures.c.server_id.in_(stale))
+                          .values(status="failed", error=SERVER_STOPPED, category="server", finished=now))
+        return r.rowcount
+
+    @staticmethod
+    def _mark_stale(c: Any, now: float) -> list[str]:
+        """Mark the servers found stale (and not marked yet) stopped; their ids. The rows are locked
+        in id order: a server beating meanwhile is re-read, and two servers reaping never deadlock."""
+        stale = list(c.execute(select(servers.c.id).where(servers.c.last_heartbeat < now - STALE_S,
+                                                          servers.c.stopped.is_(None))
+                               .order_by(servers.c.id).with_for_update()).scalars())
+        if stale:
+            c.execute(update(servers).where(servers.c.id.in_(stale)).values(stopped=now))
+        return stale
+
+    def server_stopped(self, server_id: str, now: float | None = None) -> int:
+        """A server stopping cleanly: mark it stopped and fail the requests it was still running
+        (they will never finish). How many."""
+        now = time.time() if now is None else now
+        with self.engine.begin() as c:
+            c.execute(update(servers).where(servers.c.id == server_id).values(stopped=now))
+            r = c.execute(update(futures).where(futures.c.status == "pending", futures.c.server_id == server_id)
+                          .values(status="failed", error=SERVER_STOPPED, category="server", finished=now))
+        return r.rowcount
+
     # futures
-    def add_future(self, owner: str, model_id: str | None, kind: str) -> str:
+    def add_future(self, owner: str, model_id: str | None, kind: str, server_id: str | None = None) -> str:
         fid = new_id("req")
-        self._insert(futures, id=fid, owner=owner, model_id=model_id, kind=kind, status="pending", created=time.time())
+        self._insert(futures, id=fid, owner=owner, model_id=model_id, kind=kind, status="pending", created=time.time(),
+                     server_id=server_id)
         return fid
 
     def finish_future(self, future_id: str, *, result: bytes | None = None, content_type: str | None = None,
@@ -181,13 +288,6 @@ class Store:
 
     def future(self, owner: str, future_id: str) -> dict[str, Any] | None:
         return self._one(futures, owner, "id", future_id)
-
-    def fail_pending(self, reason: str) -> int:
-        """Futures left pending by a server that stopped: they will never finish."""
-        with self.engine.begin() as c:
-            r = c.execute(update(futures).where(futures.c.status == "pending").values(
-                status="failed", error=reason, category="server", finished=time.time()))
-        return r.rowcount
 
     # sampling sessions
     def add_sampling_session(self, owner: str, checkpoint: str | None, base_model: str) -> str:
@@ -232,3 +332,45 @@ class Store:
         order = checkpoints.c.created.desc() if newest_first else checkpoints.c.created
         with self.engine.connect() as c:
             return [dict(r) for r in c.execute(q.order_by(order)).mappings()]
+
+
+class ServerHeartbeat:
+    """This server process in the `servers` table: registered with a fresh id, its heartbeat kept
+    fresh, and the requests of servers that died failed, by a daemon thread (not the event loop: a
+    long call in the loop must not make a live server look dead)."""
+
+    def __init__(self, store: Store, interval_s: float = HEARTBEAT_S, server_id: str | None = None):
+        self.store = store
+        self.server_id = server_id or new_id("server")  # new at each process start
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.store.add_server(self.server_id)
+        self._thread = threading.Thread(target=self._run, name="mmrl-serve-heartbeat", daemon=True)
+        self._thread.start()
+
+    def beat(self, now: float | None = None) -> int:
+        """One heartbeat, then fail the requests of servers found stale since; how many."""
+        if not self.store.beat_server(self.server_id, now):
+            log.warning("server %s was taken for stopped (no heartbeat for over %.0f s): requests it was running "
+                        "were failed", self.server_id, STALE_S)
+        reaped = self.store.reap_stale_servers(now)
+        if reaped:
+            log.warning("%d requests of servers that stopped were failed", reaped)
+        return reaped
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except Exception as e:  # the database may be down for a moment: the next beat retries
+                log.warning("server heartbeat failed: %s", e)
+
+    def stop(self) -> int:
+        """Stop beating and record the stop; how many pending requests of this server were failed."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.store.server_stopped(self.server_id)
