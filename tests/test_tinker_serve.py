@@ -188,3 +188,34 @@ def test_datums_batched_in_one_forward_score_as_each_alone(trained, tiny_model_d
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # no gradient from the refused call: no change
     after = tc.forward([short], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     np.testing.assert_array_equal(before, after)
+
+
+def test_projector_adapters_train_and_their_sampler_sees_them(tiny_model_dir, tmp_path):
+    """`serve.lora_projector=true`: adapters on the vision projector as well; they train on an image
+    datum (their B matrices leave zero), and a sampler of the saved weights scores as the trainer."""
+    from safetensors.torch import load_file
+
+    server = serve_in_thread(tiny_model_dir, tmp_path, sampler="trainer", extra=("serve.lora_projector=true",))
+    url = next(server)
+    try:
+        # the SDK wants one of attn/mlp/unembed: unembed only (lm_head), beside the projector's
+        tc = service_client(url).create_lora_training_client(base_model="tiny-vlm", rank=4, seed=0, train_attn=False,
+                                                             train_mlp=False, train_unembed=True).result()
+        pre, image, post, full = image_input(tc.get_tokenizer(), tiny_model_dir)
+        chunks = [types.EncodedTextChunk(tokens=pre), image, types.EncodedTextChunk(tokens=post[:-1])]
+        datum = types.Datum(model_input=types.ModelInput(chunks=chunks),
+                            loss_fn_inputs={"target_tokens": np.array(full[1:], dtype=np.int64)})
+        for _ in range(2):
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        tc.save_state("projector").result()
+        (adapter_file,) = tmp_path.glob("checkpoints/*/weights/projector.*/adapter.safetensors")
+        projector_b = {k: v for k, v in load_file(adapter_file).items() if "merger" in k and "lora_B" in k}
+        assert projector_b and all(v.abs().max() > 0 for v in projector_b.values()), list(projector_b)
+        trained = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        scored = sampler.compute_logprobs(types.ModelInput(
+            chunks=[types.EncodedTextChunk(tokens=pre), image, types.EncodedTextChunk(tokens=post)])).result()
+        np.testing.assert_allclose(scored[1:], trained, atol=1e-4)
+    finally:
+        server.close()

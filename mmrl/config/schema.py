@@ -457,6 +457,9 @@ class ServeConfig:
     max_lora_rank: int = 64
     # LoRA alpha; null = the rank each client asks for (scaling 1).
     lora_alpha: Optional[float] = None
+    # Adapters on the vision projector's linear layers too (the Tinker API has no such field: the
+    # server's choice, for every client). The vision tower itself always stays frozen.
+    lora_projector: bool = False
     # Live training models per API key (more is a 429 naming this key); null = unlimited.
     quota_max_models: Optional[int] = None
     # Tokens each API key may sample in any 60 s (num_samples x max_tokens at admission); null = unlimited.

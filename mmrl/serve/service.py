@@ -156,7 +156,8 @@ class Service:
         return LoraTrainer(
             self.model_path, rank=int(lora["rank"]), alpha=alpha, seed=lora.get("seed"),
             train_attn=lora.get("train_attn", True), train_mlp=lora.get("train_mlp", True),
-            train_unembed=lora.get("train_unembed", True), dtype=cfg.model.dtype.value,
+            train_unembed=lora.get("train_unembed", True), train_projector=cfg.serve.lora_projector,
+            dtype=cfg.model.dtype.value,
             trust_remote_code=cfg.model.trust_remote_code)
 
     async def create_model(self, model_id: str, lora: dict[str, Any]) -> dict[str, Any]:
