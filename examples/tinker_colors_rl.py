@@ -1,11 +1,11 @@
 """RL on the colours task through the Tinker API: the official `tinker` SDK, pointed at `mmrl serve`.
 
 Nothing here imports mmrl: the same loop runs against any Tinker backend that serves the model.
-  mmrl serve configs/colors_demo.yaml --port 8000 &        # MMRL_API_KEYS=tml-... in its environment
+  mmrl serve configs/colors_demo.yaml serve.lora_projector=true --port 8000 &   # MMRL_API_KEYS=tml-... set
   TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-... \\
       python examples/tinker_colors_rl.py --model work/tiny-vlm --data work/data/colors
 Each step samples a group of answers per image, scores them (the shape's colour, plus 0.1 for any
-colour word), centres the rewards per group and trains the LoRA with `importance_sampling`.
+colour word), normalises the rewards per group (GRPO) and trains the LoRA with `importance_sampling`.
 """
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--entropy-bonus", type=float, default=0.05, help="weight of each sample's surprisal in its reward")
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-prompts", type=int, default=64)
@@ -115,7 +116,11 @@ def main() -> None:
             seqs = fut.result().sequences
             scores = np.array([reward(renderer.answer(s.tokens), sample["answer"]) for s in seqs])
             rewards += list(scores)
-            data += [datum(prompt, ids, s, float(a)) for s, a in zip(seqs, scores - scores.mean()) if a != 0]
+            # surprisal (-log q) as an entropy bonus: without it the policy locks onto one colour early
+            surprisal = np.array([-sum(s.logprobs) for s in seqs])
+            advantages = ((scores - scores.mean()) / (scores.std() + 1e-4)  # GRPO's group normalisation
+                          + args.entropy_bonus * (surprisal - surprisal.mean()))
+            data += [datum(prompt, ids, s, float(a)) for s, a in zip(seqs, advantages) if a != 0]
         seconds["sample"] = time.perf_counter() - t0  # all groups, submitted at once
         row = {"step": step, "reward_mean": float(np.mean(rewards))}
         if data:  # every group scored alike: nothing to learn from this batch
