@@ -39,9 +39,11 @@ def serve_in_thread(model_dir: Path, store_dir: Path, sampler: str = "trainer",
         if time.time() > deadline:
             raise TimeoutError(f"mmrl serve not up after {START_TIMEOUT_S} s")
         time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
+        _close_clients(url)
         server.should_exit = True
         thread.join(timeout=120)
 
@@ -50,10 +52,25 @@ def serve_in_thread(model_dir: Path, store_dir: Path, sampler: str = "trainer",
 running_server = contextmanager(serve_in_thread)
 
 
+_CLIENTS: dict[str, list[Any]] = {}  # base URL -> the SDK clients made for it (closed with its server)
+
+
 def service_client(base_url: str, key: str = KEY_A) -> Any:
     import tinker
 
-    return tinker.ServiceClient(base_url=base_url, api_key=key)
+    client = tinker.ServiceClient(base_url=base_url, api_key=key)
+    _CLIENTS.setdefault(base_url, []).append(client)
+    return client
+
+
+def _close_clients(base_url: str) -> None:
+    """End the SDK sessions made for a server before it stops: otherwise their heartbeat threads
+    outlive it and report "Tinker is down" until the test process exits."""
+    for client in _CLIENTS.pop(base_url, []):
+        try:
+            client.close("success").result(timeout=30)
+        except Exception:  # noqa: BLE001 -- a session the test already ended or broke on purpose
+            pass
 
 
 def image_input(tokenizer, model_dir, expected_delta: int = 0):

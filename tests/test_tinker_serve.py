@@ -219,3 +219,17 @@ def test_projector_adapters_train_and_their_sampler_sees_them(tiny_model_dir, tm
         np.testing.assert_allclose(scored[1:], trained, atol=1e-4)
     finally:
         server.close()
+
+
+def test_close_ends_the_session_and_only_its_key_can(server):
+    """`ServiceClient.close()` finishes the session on the server (POST /sessions/{id}/finish); another
+    key's finish of it is a 404."""
+    import httpx
+
+    client = service_client(server)
+    client.create_lora_training_client(base_model="tiny-vlm", rank=4, seed=0).result()
+    assert client.close("success").result(timeout=60) is None
+    sid = httpx.post(f"{server}/api/v1/create_session", headers={"X-API-Key": KEY_A}, json={}).json()["session_id"]
+    other = httpx.post(f"{server}/api/v1/sessions/{sid}/finish", headers={"X-API-Key": KEY_B}, json={})
+    assert other.status_code == 404 and "session_id" in other.text
+    assert httpx.post(f"{server}/api/v1/sessions/{sid}/finish", headers={"X-API-Key": KEY_A}, json={}).status_code == 200

@@ -132,6 +132,14 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         sid = service.store.add_session(request.state.owner, data.get("sdk_version"))
         return {"type": "create_session", "session_id": sid}
 
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request) -> dict:
+        """`ServiceClient.close()`: the session ends (the SDK stops its heartbeats); its models then
+        count as silent, so the model quota can make room from them."""
+        if not service.store.finish_session(request.state.owner, session_id):
+            raise NotFound(f"session_id {session_id!r} not found", "session_id")
+        return {}
+
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> dict:
         data = await body(request)

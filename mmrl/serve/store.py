@@ -169,6 +169,13 @@ class Store:
                           .values(last_heartbeat=time.time()))
         return r.rowcount > 0
 
+    def finish_session(self, owner: str, session_id: str) -> bool:
+        """The session ended: its last heartbeat is set to the epoch, as silent as a session can be."""
+        with self.engine.begin() as c:
+            r = c.execute(update(sessions).where(sessions.c.id == session_id, sessions.c.owner == owner)
+                          .values(last_heartbeat=0.0))
+        return r.rowcount > 0
+
     def session(self, owner: str, session_id: str) -> dict[str, Any] | None:
         return self._one(sessions, owner, "id", session_id)
 
