@@ -41,8 +41,9 @@ CLIENT_CONFIG = {
 }
 
 
-def _err(status: int, message: str, field: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": message, "field": field, "detail": message}, status_code=status)
+def _err(status: int, message: str, field: str | None = None,
+         headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "field": field, "detail": message}, status_code=status, headers=headers)
 
 
 def make_app(service: Service, keys: Keys) -> FastAPI:
@@ -78,7 +79,7 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
 
     @app.exception_handler(QuotaExceeded)
     async def over_quota(_request: Request, e: QuotaExceeded) -> JSONResponse:
-        return JSONResponse({"error": str(e), "field": e.field, "detail": str(e)}, status_code=429, headers=e.headers)
+        return _err(429, str(e), e.field, e.headers)
 
     @app.exception_handler(JobError)
     async def job_error(_request: Request, e: JobError) -> JSONResponse:
@@ -182,8 +183,7 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         service.trainer(request.state.owner, mid)
 
         async def job() -> dict:
-            service.trainers.pop(mid, None)
-            service.store.set_model_status(mid, "unloaded")
+            service.unload(mid)
             return {"type": "unload_model", "model_id": mid}
 
         return future(request, mid, "unload_model", job, lane=mid)

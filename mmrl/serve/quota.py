@@ -185,8 +185,7 @@ class KeyQuotas:
         beat = self._last_heartbeat(owner, model_id, service)
         if beat is not None and self.wall_clock() - beat <= SESSION_EXPIRY_S:
             return False
-        service.trainers.pop(model_id, None)
-        service.store.set_model_status(model_id, "unloaded")
+        service.unload(model_id)
         return True
 
     def _wait_until_expiry(self, owner: str, live: list[str], service: Service) -> float:

@@ -160,6 +160,11 @@ class Service:
             dtype=cfg.model.dtype.value,
             trust_remote_code=cfg.model.trust_remote_code)
 
+    def unload(self, model_id: str) -> None:
+        """Drop the model's trainer from memory; its row says unloaded (its checkpoints stay)."""
+        self.trainers.pop(model_id, None)
+        self.store.set_model_status(model_id, "unloaded")
+
     async def create_model(self, model_id: str, lora: dict[str, Any]) -> dict[str, Any]:
         trainer = await self.queue.in_thread(self._build_trainer, lora, self.cfg.serve.lora_alpha)
         self.trainers[model_id] = trainer
@@ -246,8 +251,10 @@ class Service:
         if ephemeral:
             # unique, not a count: after a delete a count would name (and overwrite) a live checkpoint
             name = f"ephemeral-{uuid.uuid4().hex[:12]}"
-        if "/" in name or name.startswith("."):
-            raise JobError(f"path {name!r}: a checkpoint name may not contain '/' or start with '.'")
+        try:
+            state.check_name(name)
+        except UserInputError as e:  # in a job: the future fails with the message
+            raise JobError(str(e)) from None
         deltas = await self.queue.in_thread(trainer.merged_lora_deltas)
         folder = self.store_dir / "checkpoints" / model_id / "sampler_weights"
         folder.mkdir(parents=True, exist_ok=True)
