@@ -190,12 +190,15 @@ def test_datums_batched_in_one_forward_score_as_each_alone(trained, tiny_model_d
     np.testing.assert_array_equal(before, after)
 
 
-def test_projector_adapters_train_and_their_sampler_sees_them(tiny_model_dir, tmp_path):
-    """`serve.lora_projector=true`: adapters on the vision projector as well; they train on an image
-    datum (their B matrices leave zero), and a sampler of the saved weights scores as the trainer."""
+@pytest.mark.parametrize("option, module", [("serve.lora_projector=true", "merger"),
+                                            ("serve.lora_vision=true", "blocks.")])
+def test_vision_adapters_train_and_their_sampler_sees_them(tiny_model_dir, tmp_path, option, module):
+    """`serve.lora_projector=true` / `serve.lora_vision=true`: adapters on the vision projector / the
+    vision tower's blocks as well; they train on an image datum (their B matrices leave zero), and a
+    sampler of the saved weights scores as the trainer."""
     from safetensors.torch import load_file
 
-    server = serve_in_thread(tiny_model_dir, tmp_path, sampler="trainer", extra=("serve.lora_projector=true",))
+    server = serve_in_thread(tiny_model_dir, tmp_path, sampler="trainer", extra=(option,))
     url = next(server)
     try:
         # the SDK wants one of attn/mlp/unembed: unembed only (lm_head), beside the projector's
@@ -210,8 +213,8 @@ def test_projector_adapters_train_and_their_sampler_sees_them(tiny_model_dir, tm
             tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
         tc.save_state("projector").result()
         (adapter_file,) = tmp_path.glob("checkpoints/*/weights/projector.*/adapter.safetensors")
-        projector_b = {k: v for k, v in load_file(adapter_file).items() if "merger" in k and "lora_B" in k}
-        assert projector_b and all(v.abs().max() > 0 for v in projector_b.values()), list(projector_b)
+        vision_b = {k: v for k, v in load_file(adapter_file).items() if "visual" in k and module in k and "lora_B" in k}
+        assert vision_b and all(v.abs().max() > 0 for v in vision_b.values()), list(vision_b)
         trained = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
         sampler = tc.save_weights_and_get_sampling_client().result()
         scored = sampler.compute_logprobs(types.ModelInput(

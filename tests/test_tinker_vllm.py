@@ -15,8 +15,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
+    # adapters on the vision tower and projector too: the image prompt below then checks that vLLM
+    # gets their merged deltas under its own names
     yield from serve_in_thread(tiny_model_dir, tmp_path_factory.mktemp("serve-vllm"), sampler="vllm",
-                               extra=("rollout.engine_env.VLLM_CPU_KVCACHE_SPACE=1",))
+                               extra=("rollout.engine_env.VLLM_CPU_KVCACHE_SPACE=1", "serve.lora_projector=true",
+                                      "serve.lora_vision=true"))
 
 
 def test_train_then_sample_with_vllm(server, tiny_model_dir):
@@ -31,6 +34,12 @@ def test_train_then_sample_with_vllm(server, tiny_model_dir):
         tc.optim_step(types.AdamParams(learning_rate=2e-2))
         losses.append(fb.result().metrics["loss:sum"])
     assert losses[-1] < losses[0]
+    # one step on an image datum: the vision adapters' deltas leave zero
+    pre, image, post, full_img = image_input(tc.get_tokenizer(), tiny_model_dir)
+    chunks = [types.EncodedTextChunk(tokens=pre), image, types.EncodedTextChunk(tokens=post[:-1])]
+    tc.forward_backward([types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={
+        "target_tokens": np.array(full_img[1:], dtype=np.int64)})], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
 
     base = service.create_sampling_client(base_model="tiny-vlm").result()
     prompt = types.ModelInput.from_ints(ids[:4])
@@ -57,7 +66,6 @@ def test_train_then_sample_with_vllm(server, tiny_model_dir):
     assert after.tokens == before.tokens
 
     # an image prompt: vLLM gets one pad + the image and expands it; logprobs over the expanded prompt
-    pre, image, post, full_img = image_input(tc.get_tokenizer(), tiny_model_dir)
     chunks = [types.EncodedTextChunk(tokens=pre), image, types.EncodedTextChunk(tokens=post)]
     seq, scored = sample_and_score(sampler, chunks, seed=0)
     assert len(scored) == len(full_img) + len(seq.tokens)

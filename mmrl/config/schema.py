@@ -458,8 +458,11 @@ class ServeConfig:
     # LoRA alpha; null = the rank each client asks for (scaling 1).
     lora_alpha: Optional[float] = None
     # Adapters on the vision projector's linear layers too (the Tinker API has no such field: the
-    # server's choice, for every client). The vision tower itself always stays frozen.
+    # server's choice, for every client).
     lora_projector: bool = False
+    # Adapters on the vision tower's linear layers too (server-wide, like lora_projector); false =
+    # the tower stays frozen. Its base weights never train either way.
+    lora_vision: bool = False
     # Live training models per API key (more is a 429 naming this key); null = unlimited.
     quota_max_models: Optional[int] = None
     # Tokens each API key may sample in any 60 s (num_samples x max_tokens at admission); null = unlimited.

@@ -157,6 +157,7 @@ class Service:
             self.model_path, rank=int(lora["rank"]), alpha=alpha, seed=lora.get("seed"),
             train_attn=lora.get("train_attn", True), train_mlp=lora.get("train_mlp", True),
             train_unembed=lora.get("train_unembed", True), train_projector=cfg.serve.lora_projector,
+            train_vision=cfg.serve.lora_vision,
             dtype=cfg.model.dtype.value,
             trust_remote_code=cfg.model.trust_remote_code)
 

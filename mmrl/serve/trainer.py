@@ -34,15 +34,16 @@ class UserInputError(ValueError):
 
 
 def lora_targets(model: torch.nn.Module, *, attn: bool, mlp: bool, unembed: bool,
-                 projector: bool = False) -> list[str]:
-    """Full module names of the linear layers that get an adapter: the text model's, and with
-    `projector` the vision projector's (the vision tower never does: it stays frozen)."""
+                 projector: bool = False, vision: bool = False) -> list[str]:
+    """Full module names of the linear layers that get an adapter: the text model's, with
+    `projector` the vision projector's, and with `vision` every linear layer of the vision tower
+    (its convolutional patch embedding stays as it is)."""
     from mmrl.trainer.model_setup import find_vision_parts
 
     suffixes = (ATTN if attn else ()) + (MLP if mlp else ())
     tied = bool(getattr(model.config, "tie_word_embeddings", False)
                 or getattr(getattr(model.config, "text_config", None), "tie_word_embeddings", False))
-    parts = find_vision_parts(model) if projector else None
+    parts = find_vision_parts(model) if projector or vision else None
     out = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
@@ -51,7 +52,9 @@ def lora_targets(model: torch.nn.Module, *, attn: bool, mlp: bool, unembed: bool
             out.append(name)
         elif unembed and not tied and name == "lm_head":
             out.append(name)
-        elif parts is not None and parts.is_projector(name):
+        elif parts is not None and projector and parts.is_projector(name):
+            out.append(name)
+        elif parts is not None and vision and parts.is_tower(name):
             out.append(name)
     return out
 
@@ -59,7 +62,7 @@ def lora_targets(model: torch.nn.Module, *, attn: bool, mlp: bool, unembed: bool
 class LoraTrainer:
     def __init__(self, model_path: str, *, rank: int, alpha: float | None, seed: int | None,
                  train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True,
-                 train_projector: bool = False, dtype: str = "float32", trust_remote_code: bool = False):
+                 train_projector: bool = False, train_vision: bool = False, dtype: str = "float32", trust_remote_code: bool = False):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForImageTextToText
 
@@ -70,7 +73,8 @@ class LoraTrainer:
                                                            trust_remote_code=trust_remote_code)
         base.config.use_cache = False
         self.vocab_size = int(base.get_output_embeddings().weight.shape[0])
-        targets = lora_targets(base, attn=train_attn, mlp=train_mlp, unembed=train_unembed, projector=train_projector)
+        targets = lora_targets(base, attn=train_attn, mlp=train_mlp, unembed=train_unembed,
+                               projector=train_projector, vision=train_vision)
         if not targets:
             raise UserInputError("lora_config: train_attn, train_mlp and train_unembed leave no layer to adapt",
                                  "lora_config")
@@ -79,7 +83,8 @@ class LoraTrainer:
             torch.manual_seed(seed)
         self.model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=self.alpha, target_modules=targets,
                                                       lora_dropout=0.0, bias="none"))
-        freeze_vision(self.model, tower=True, projector=not train_projector)  # adapters on it stay trainable
+        # base weights of the vision parts frozen; the adapters put on them (peft) stay trainable
+        freeze_vision(self.model, tower=not train_vision, projector=not train_projector)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.AdamW | None = None
         self.steps = 0
