@@ -12,7 +12,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 STAMP="$VENV/.mmrl-setup-v1"
 
-if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import mmrl, vllm, deepspeed, ray, webdataset, math_verify, bm25s, sqlalchemy, tinker, psycopg" 2>/dev/null; then
+if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import mmrl, vllm, deepspeed, ray, webdataset, math_verify, bm25s, sqlalchemy, tinker, psycopg, schemathesis" 2>/dev/null; then
   touch "$STAMP"  # verified: newer than pyproject.toml again, so make does not rerun this every time
   exit 0
 fi
@@ -42,7 +42,8 @@ PIP="$VENV/bin/pip"
 # 4) torchvision's PyPI wheel is a CUDA build: make its two fake-kernel registrations conditional.
 "$VENV/bin/python" scripts/patch_torchvision.py
 # 5) The project itself, editable (its `serve` and `test` extras are pinned in requirements/cpu.txt,
-#    installed in step 2: sqlalchemy and psycopg for `mmrl serve`, the tinker SDK its tests drive it with).
+#    installed in step 2: sqlalchemy and psycopg for `mmrl serve`, the tinker SDK its tests drive it with,
+#    schemathesis that fuzzes its OpenAPI schema).
 "$PIP" install -q --no-deps -e .
 "$VENV/bin/python" -c "import torch, torchvision, transformers, vllm, deepspeed, ray, webdataset, mmrl; print('[setup] ok: torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__)"
 touch "$STAMP"

@@ -68,3 +68,36 @@ def test_forward_backward_output_encodes():
     res = deserialize_forward_backward_output(wire.forward_backward_output(outs, {"loss:sum": 6.0}))
     assert res.metrics == {"loss:sum": 6.0}
     assert [o["logprobs"].tolist() for o in res.loss_fn_outputs] == [[-1.0, -2.0], [-3.0]]
+
+
+@pytest.mark.parametrize("body,field", [
+    (b"\x08\xff\xff\xff\xff\x0f", "model_id"),  # a string field sent as a varint (was bytes(4294967295))
+    (b"\x22\x02\xff\xfe", "loss_fn"),  # not UTF-8 (was UnicodeDecodeError)
+    (b"\x15\x00\x00\x00\x00", "seq_id"),  # an integer sent as a 4-byte value
+    (b"\x2a\x0b\x0a\x01k\x12\x06abcdef", "loss_fn_config.k"),  # a double 6 bytes long (was struct.error)
+    (b"\x1a\x03\x08\x01\x00", "data[0].model_input"),  # a chunk list sent as a varint
+], ids=["string-as-varint", "not-utf8", "int-as-fixed32", "short-double", "chunks-as-varint"])
+def test_mistyped_field_is_a_wire_error_naming_it(body, field):
+    with pytest.raises(wire.WireError) as err:
+        wire.read_forward_backward_request(body)
+    assert err.value.field == field
+
+
+def test_inconsistent_sparse_tensor_is_a_wire_error():
+    def tensor(shape: list[int], cols: list[int]) -> bytes:
+        csr = (wire.put_bytes(1, np.array([1.0], dtype=np.float32).tobytes())
+               + wire.put_bytes(2, np.array([0, 1], dtype=np.int64).tobytes())
+               + wire.put_bytes(3, np.array(cols, dtype=np.int64).tobytes()))
+        shape_bytes = b"".join(wire._enc_varint(d) for d in shape)
+        return wire.put_bytes(2, csr) + wire.put_varint(3, 1) + wire.put_bytes(4, shape_bytes)
+
+    def request(t: bytes) -> bytes:
+        entry = wire.put_bytes(1, b"weights") + wire.put_bytes(2, t)
+        return wire.put_bytes(3, wire.put_bytes(2, entry))
+
+    assert wire.read_forward_backward_request(request(tensor([1, 3], [2]))).data[0].loss_fn_inputs[
+        "weights"].tolist() == [[0, 0, 1]]
+    for shape, cols in (([1, 3], [3]), ([1, 1 << 40], [0])):  # a column past the row; a huge dense size
+        with pytest.raises(wire.WireError) as err:
+            wire.read_forward_backward_request(request(tensor(shape, cols)))
+        assert err.value.field == "data[0].loss_fn_inputs.weights"

@@ -3,7 +3,7 @@
 app.py (routes) -> service.py (engines and checkpoints) -> trainer.py (a peft LoRA per training
 client), sampler.py (vLLM or transformers), futures.py (ordered per-model queues), store.py (SQL),
 auth.py (API keys), wire.py (the SDK's protobuf bodies), inputs.py (text and image chunks),
-losses.py (Tinker's built-in losses).
+losses.py (Tinker's built-in losses), openapi.py (the request bodies in /openapi.json).
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ sends (telemetry) is accepted and dropped.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -15,10 +16,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mmrl.serve import wire
+from mmrl.serve import openapi, wire
 from mmrl.serve.auth import AuthError, Keys
 from mmrl.serve.futures import JobError
-from mmrl.serve.inputs import build_prompt
+from mmrl.serve.inputs import build_prompt, vocab_size
 from mmrl.serve.losses import LossInputError, check_loss_name
 from mmrl.serve.quota import KeyQuotas, QuotaExceeded
 from mmrl.serve.sampler import SampleParams
@@ -27,6 +28,7 @@ from mmrl.serve.state_routes import state_router
 from mmrl.serve.trainer import UserInputError
 
 PROTO = "application/x-protobuf"
+MAX_BODY_BYTES = 1 << 30  # a decompressed forward_backward body
 log = logging.getLogger("mmrl.serve")
 
 CLIENT_CONFIG = {
@@ -56,7 +58,9 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="mmrl serve (Tinker API)", lifespan=lifespan)
+    openapi.describe(app)  # the hand-read bodies, in /openapi.json
     quotas = app.state.quotas = KeyQuotas.from_config(service.cfg.serve)
+    vocab = vocab_size(service.model_path, service.cfg.model.trust_remote_code)
 
     @app.middleware("http")
     async def errors_and_auth(request: Request, call_next: Any) -> Response:
@@ -90,15 +94,22 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
             data = json.loads(await request.body() or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserInputError(f"body is not valid JSON: {e}", "body") from None
+        except RecursionError:  # the parser recurses once per level of [ / {
+            raise UserInputError("body is nested too deeply", "body") from None
         if not isinstance(data, dict):
             raise UserInputError("body must be a JSON object", "body")
         return data
 
-    def need(data: dict[str, Any], key: str, kind: type | tuple = str) -> Any:
+    def need(data: dict[str, Any], key: str, kind: type | tuple = str, required: bool = True) -> Any:
+        """data[key] checked to be a `kind` (a 400 naming `key` otherwise); None when absent and not
+        `required`. Checked here, before the value reaches the store or a queued job."""
         if key not in data or data[key] is None:
+            if not required:
+                return None
             raise UserInputError(f"{key} is required", key)
         if not isinstance(data[key], kind) or isinstance(data[key], bool) and kind is not bool:
-            raise UserInputError(f"{key} has the wrong type ({type(data[key]).__name__})", key)
+            raise UserInputError(f"{key} has the wrong type ({type(data[key]).__name__}; expected "
+                                 f"{getattr(kind, '__name__', kind)})", key)
         return data[key]
 
     def future(request: Request, model_id: str | None, kind: str, job: Any, lane: str | None = None) -> dict:
@@ -130,7 +141,7 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> dict:
         data = await body(request)
-        sid = service.store.add_session(request.state.owner, data.get("sdk_version"))
+        sid = service.store.add_session(request.state.owner, need(data, "sdk_version", required=False))
         return {"type": "create_session", "session_id": sid}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
@@ -154,20 +165,20 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         data = await body(request)
         owner = request.state.owner
         service.check_base_model(need(data, "base_model"))
-        lora = data.get("lora_config") or {}
-        rank = lora.get("rank")
-        if not isinstance(rank, int) or not 1 <= rank <= service.cfg.serve.max_lora_rank:
-            raise UserInputError(f"lora_config.rank must be an integer in [1, {service.cfg.serve.max_lora_rank}], "
-                                 f"got {rank!r}", "lora_config.rank")
-        opt = (data.get("optimizer_config") or {}).get("type", "adamw")
+        lora = need(data, "lora_config", dict, required=False) or {}
+        rank, top = lora.get("rank"), service.cfg.serve.max_lora_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= top:
+            raise UserInputError(f"lora_config.rank must be an integer in [1, {top}], got {rank!r}", "lora_config.rank")
+        opt = (need(data, "optimizer_config", dict, required=False) or {}).get("type", "adamw")
         if opt != "adamw":
             raise UserInputError(f"optimizer_config.type {opt!r} is not supported (adamw only)", "optimizer_config.type")
         session_id = str(need(data, "session_id"))
+        metadata = need(data, "user_metadata", dict, required=False)
         if service.store.session(owner, session_id) is None:
             raise NotFound(f"session_id {session_id!r} not found", "session_id")
         quotas.check_models(owner, service)
         mid = service.store.add_model(owner, session_id, data["base_model"], rank,
-                                      service.model_config_json(lora, data.get("user_metadata")))
+                                      service.model_config_json(lora, metadata))
         job = quotas.model_job(owner, mid, lambda: service.create_model(mid, lora))
         return future(request, mid, "create_model", job, lane=mid)
 
@@ -197,7 +208,12 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         if request.headers.get("content-encoding") == "zstd":
             import zstandard
 
-            raw = zstandard.ZstdDecompressor().decompress(raw)
+            try:  # streamed and capped: a small body (or a forged frame header) must not expand without limit
+                raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)).read(MAX_BODY_BYTES + 1)
+            except zstandard.ZstdError as e:
+                raise UserInputError(f"body is not valid zstd ({e})", "body") from None
+            if len(raw) > MAX_BODY_BYTES:
+                raise UserInputError(f"body decompresses to more than {MAX_BODY_BYTES} bytes", "body")
         req = wire.read_forward_backward_request(raw)
         trainer = service.trainer(request.state.owner, req.model_id)
         # checked now, so a wrong loss or input is a 400 on the call itself
@@ -207,7 +223,8 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
             raise UserInputError(str(e), e.field) from None
         if not req.data:
             raise UserInputError("data is empty", "data")
-        prompts = [build_prompt(d.chunks, service.processor, f"data[{i}].model_input") for i, d in enumerate(req.data)]
+        prompts = [build_prompt(d.chunks, service.processor, f"data[{i}].model_input", vocab)
+                   for i, d in enumerate(req.data)]
         inputs = [d.loss_fn_inputs for d in req.data]
 
         async def job() -> tuple[bytes, str]:
@@ -226,7 +243,8 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         data = await body(request)
         mid = str(need(data, "model_id"))
         trainer = service.trainer(request.state.owner, mid)
-        adam = data.get("adam_params") or data.get("optim_params") or {}
+        adam = (need(data, "adam_params", dict, required=False) or need(data, "optim_params", dict, required=False)
+                or {})
         if "optimizer_params" in data:
             raise UserInputError("optimizer_params: only AdamParams is supported", "optimizer_params")
 
@@ -245,14 +263,16 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
         data = await body(request)
         owner, mid = request.state.owner, str(need(data, "model_id"))
         service.trainer(owner, mid)
+        path = need(data, "path", required=False)
         return future(request, mid, "save_weights_for_sampler",
-                      lambda: service.save_for_sampler(owner, mid, data.get("path")), lane=mid)
+                      lambda: service.save_for_sampler(owner, mid, path), lane=mid)
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict:
         data = await body(request)
         owner = request.state.owner
-        key, _ = service.sampling_target(owner, None, data.get("model_path"), data.get("base_model"))
+        key, _ = service.sampling_target(owner, None, need(data, "model_path", required=False),
+                                         need(data, "base_model", required=False))
         sid = service.store.add_sampling_session(owner, None if key == "base" else data["model_path"], service.model_name)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
@@ -268,16 +288,16 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
     async def asample(request: Request) -> dict:
         data = await body(request)
         owner = request.state.owner
-        key, file = service.sampling_target(owner, data.get("sampling_session_id"), data.get("model_path"),
-                                            data.get("base_model"))
+        key, file = service.sampling_target(owner, *(need(data, k, required=False) for k in
+                                                     ("sampling_session_id", "model_path", "base_model")))
         chunks = need(data, "prompt", dict).get("chunks")
         if not isinstance(chunks, list):
             raise UserInputError("prompt.chunks must be a list", "prompt.chunks")
-        prompt = build_prompt(chunks, service.processor, "prompt")
+        prompt = build_prompt(chunks, service.processor, "prompt", vocab)
         n = data.get("num_samples", 1)
-        if not isinstance(n, int) or not 1 <= n <= 128:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
             raise UserInputError(f"num_samples must be an integer in [1, 128], got {n!r}", "num_samples")
-        params = _sampling_params(data.get("sampling_params") or {})
+        params = _sampling_params(need(data, "sampling_params", dict, required=False) or {})
         params.forbidden = service.forbidden_tokens
         want_prompt = bool(data.get("prompt_logprobs"))
         for unsupported in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
@@ -311,7 +331,8 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
     # save_state / load_state, weights_info, training runs and checkpoint listings (state_routes.py)
     app.include_router(state_router(service, body, need, future, quotas))
 
-    @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    # not in /openapi.json: it is no operation (and one route with five methods repeats its operationId)
+    @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def unsupported(rest: str) -> JSONResponse:
         return _err(404, f"/api/v1/{rest} is not supported by mmrl serve yet (docs/serve.md)", "path")
 
@@ -337,6 +358,8 @@ def _sampling_params(p: dict[str, Any]) -> SampleParams:
     if seed is not None and not isinstance(seed, int):
         raise UserInputError("sampling_params.seed must be an integer", "sampling_params.seed")
     stop = p.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise UserInputError("sampling_params.stop must be a string or a list", "sampling_params.stop")
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     stop_strs = [s for s in stop if isinstance(s, str)]
     stop_tokens = [s for s in stop if isinstance(s, int) and not isinstance(s, bool)]

@@ -63,8 +63,22 @@ def decode_image(data: bytes, fmt: str, where: str) -> Any:
     return img.convert("RGB")
 
 
-def build_prompt(chunks: list[Any], processor: Any, where: str) -> Prompt:
-    """`chunks`: wire.Chunk objects (or dicts with the same fields, from JSON bodies)."""
+def vocab_size(model_path: str, trust_remote_code: bool = False) -> int | None:
+    """Rows of the model's token embedding, from its config (None when the config does not say):
+    a prompt id at or past it would fail inside the queued job instead of as a 400 on the call."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    size = getattr(config.get_text_config(), "vocab_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
+def build_prompt(chunks: list[Any], processor: Any, where: str, vocab: int | None = None) -> Prompt:
+    """`chunks`: wire.Chunk objects (or dicts with the same fields, from JSON bodies); token ids must
+    be below `vocab` when given."""
     ids: list[int] = []
     images, expected = [], []
     for i, c in enumerate(chunks):
@@ -75,6 +89,9 @@ def build_prompt(chunks: list[Any], processor: Any, where: str) -> Prompt:
             if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                      for t in toks):
                 raise UserInputError(f"{here}.tokens must be a list of token ids", f"{here}.tokens")
+            if vocab is not None and toks and max(toks) >= vocab:
+                raise UserInputError(f"{here}.tokens: ids must be in [0, {vocab}) for this model, got {max(toks)}",
+                                     f"{here}.tokens")
             ids += toks
         elif kind == "image":
             if processor is None:

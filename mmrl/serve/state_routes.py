@@ -39,7 +39,7 @@ def _page(request: Request, default_limit: int) -> tuple[int, int]:
     out = []
     for key, default in (("limit", default_limit), ("offset", 0)):
         raw = request.query_params.get(key, str(default))
-        if not raw.isdigit():
+        if not (raw.isascii() and raw.isdigit()):  # str.isdigit alone takes "²", which int() refuses
             raise UserInputError(f"{key} must be an integer >= 0, got {raw!r}", key)
         out.append(int(raw))
     return out[0], out[1]
@@ -82,12 +82,13 @@ def state_router(service: Service, body: Callable, need: Callable, future: Calla
         service.trainer(owner, mid)
         name = state.check_name(data.get("path"))
         overwrite = bool(data.get("overwrite", False))
+        metadata = need(data, "user_metadata", dict, required=False)
         path = f"{state.TINKER}{mid}/weights/{name}"
         if not overwrite and store.checkpoint(owner, path) is not None:
             raise UserInputError(f"checkpoint {path!r} already exists (save_state(..., overwrite=True) replaces it)",
                                  "path")
         return future(request, mid, "save_weights",
-                      lambda: service.save_state(owner, mid, name, overwrite, data.get("user_metadata")), lane=mid)
+                      lambda: service.save_state(owner, mid, name, overwrite, metadata), lane=mid)
 
     @router.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -113,18 +114,19 @@ def state_router(service: Service, body: Callable, need: Callable, future: Calla
         if store.session(owner, session_id) is None:
             raise NotFound(f"session_id {session_id!r} not found", "session_id")
         lora, _ = service.state_lora(row)
-        base_model = data.get("base_model") or state.read_meta(row["file"])["base_model"]
+        base_model = need(data, "base_model", required=False) or state.read_meta(row["file"])["base_model"]
         service.check_base_model(base_model)
-        opt = (data.get("optimizer_config") or {}).get("type", "adamw")
+        opt = (need(data, "optimizer_config", dict, required=False) or {}).get("type", "adamw")
         if opt != "adamw":
             raise UserInputError(f"optimizer_config.type {opt!r} is not supported (adamw only)",
                                  "optimizer_config.type")
         mid = f"{session_id}:train:{seq}"
         if store.model(owner, mid) is not None:
             raise UserInputError(f"model_seq_id {seq} is already used in session {session_id!r}", "model_seq_id")
+        metadata = need(data, "user_metadata", dict, required=False)
         quotas.check_models(owner, service)
-        store.add_model(owner, session_id, base_model, int(lora["rank"]),
-                        service.model_config_json(lora, data.get("user_metadata")), model_id=mid)
+        store.add_model(owner, session_id, base_model, int(lora["rank"]), service.model_config_json(lora, metadata),
+                        model_id=mid)
         path = row["path"]
         job = quotas.model_job(owner, mid, lambda: service.create_from_state(owner, mid, path, with_optimizer))
         return future(request, mid, "load_weights", job, lane=mid)

@@ -10,6 +10,7 @@ readers do.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -54,32 +55,69 @@ def fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
         num, wt = key >> 3, key & 7
         if wt == 0:
             val, pos = _varint(buf, pos)
-        elif wt == 1:
-            val, pos = buf[pos:pos + 8], pos + 8
+        elif wt in (1, 5):
+            n = 8 if wt == 1 else 4
+            if pos + n > len(buf):
+                raise WireError(f"field {num}: {n}-byte value runs past the end of the message")
+            val, pos = buf[pos:pos + n], pos + n
         elif wt == 2:
             n, pos = _varint(buf, pos)
             if pos + n > len(buf):
                 raise WireError(f"field {num}: length {n} runs past the end of the message")
             val, pos = buf[pos:pos + n], pos + n
-        elif wt == 5:
-            val, pos = buf[pos:pos + 4], pos + 4
         else:
             raise WireError(f"field {num}: unsupported wire type {wt}")
         yield num, wt, val
+
+
+# A field's value as its schema type: a sender that put another wire type there is a 400 naming the
+# field (not a TypeError deep in the reader).
+def _msg(wt: int, val: Any, where: str) -> bytes:
+    if wt != 2:
+        raise WireError(f"{where}: expected bytes or a message (wire type 2), got wire type {wt}", where)
+    return bytes(val)
+
+
+def _text(wt: int, val: Any, where: str) -> str:
+    try:
+        return _msg(wt, val, where).decode()
+    except UnicodeDecodeError:
+        raise WireError(f"{where}: not UTF-8 text", where) from None
+
+
+def _int(wt: int, val: Any, where: str) -> int:
+    if wt != 0:
+        raise WireError(f"{where}: expected an integer (wire type 0), got wire type {wt}", where)
+    return _signed(val)
+
+
+def _double(wt: int, val: Any, where: str) -> float:
+    if wt != 1:
+        raise WireError(f"{where}: expected a double (wire type 1), got wire type {wt}", where)
+    return struct.unpack("<d", val)[0]
 
 
 def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _packed_varints(wt: int, val: Any) -> list[int]:
+def _packed_varints(wt: int, val: Any, where: str) -> list[int]:
     if wt == 0:
         return [_signed(val)]
-    out, pos = [], 0
-    while pos < len(val):
-        v, pos = _varint(val, pos)
+    out, pos, buf = [], 0, _msg(wt, val, where)
+    while pos < len(buf):
+        v, pos = _varint(buf, pos)
         out.append(_signed(v))
     return out
+
+
+def _array(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise WireError(f"{where}: {len(raw)} bytes is not a whole number of {dtype} values", where)
+    return np.frombuffer(raw, dtype=dtype)
+
+
+MAX_TENSOR_VALUES = 1 << 24  # a loss input holds one value per token: far below this
 
 
 def read_tensor(buf: bytes, where: str) -> np.ndarray:
@@ -87,32 +125,32 @@ def read_tensor(buf: bytes, where: str) -> np.ndarray:
     dense, csr, dtype, shape = None, None, 0, []
     for num, wt, val in fields(buf):
         if num == 1:
-            dense = val
+            dense = _msg(wt, val, where)
         elif num == 2:
-            csr = {n: v for n, _, v in fields(val)}
+            csr = {n: _msg(w, v, where) for n, w, v in fields(_msg(wt, val, where))}
         elif num == 3:
-            dtype = val
+            dtype = _int(wt, val, where)
         elif num == 4:
-            shape += _packed_varints(wt, val)
+            shape += _packed_varints(wt, val, where)
     if dtype not in DTYPES:
         raise WireError(f"{where}: unsupported tensor dtype code {dtype} (float32 or int64)", where)
+    if any(d < 0 for d in shape) or math.prod(shape) > MAX_TENSOR_VALUES:
+        raise WireError(f"{where}: shape {shape} is not a tensor of at most {MAX_TENSOR_VALUES} values", where)
     np_dtype = np.dtype(DTYPES[dtype])
     if csr is not None:
-        values = np.frombuffer(csr.get(1, b""), dtype=np_dtype)
-        crow = np.frombuffer(csr.get(2, b""), dtype=np.int64)
-        col = np.frombuffer(csr.get(3, b""), dtype=np.int64)
-        if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values):
+        values = _array(csr.get(1, b""), np_dtype, where)
+        crow = _array(csr.get(2, b""), np.dtype(np.int64), where)
+        col = _array(csr.get(3, b""), np.dtype(np.int64), where)
+        if (len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0
+                or crow[-1] != len(values) or (np.diff(crow) < 0).any() or ((col < 0) | (col >= shape[1])).any()):
             raise WireError(f"{where}: inconsistent sparse CSR tensor (shape {shape})", where)
         out = np.zeros(shape, dtype=np_dtype)
         for r in range(shape[0]):
             out[r, col[crow[r]:crow[r + 1]]] = values[crow[r]:crow[r + 1]]
         return out
-    raw = dense or b""
-    if len(raw) % np_dtype.itemsize:
-        raise WireError(f"{where}: {len(raw)} bytes is not a whole number of {np_dtype} values", where)
-    arr = np.frombuffer(raw, dtype=np_dtype)
+    arr = _array(dense or b"", np_dtype, where)
     if shape:
-        if int(np.prod(shape)) != arr.size:
+        if math.prod(shape) != arr.size:
             raise WireError(f"{where}: shape {shape} does not match {arr.size} values", where)
         arr = arr.reshape(shape)
     return arr
@@ -144,66 +182,74 @@ class ForwardBackwardRequest:
 
 
 def _read_chunk(buf: bytes, where: str) -> Chunk:
-    for num, _, val in fields(buf):
+    for num, wt, val in fields(buf):
         if num == 1:
-            toks = {n: v for n, _, v in fields(val)}.get(1, b"")
+            toks = b""
+            for n, w, v in fields(_msg(wt, val, where)):
+                if n == 1:
+                    toks = _msg(w, v, f"{where}.tokens")
             if len(toks) % 4:
                 raise WireError(f"{where}.tokens: not int32 values", where)
             return Chunk("encoded_text", tokens=np.frombuffer(toks, dtype=np.int32).tolist())
         if num == 2:
             chunk = Chunk("image")
-            for n, _, v in fields(val):
+            for n, w, v in fields(_msg(wt, val, where)):
                 if n == 1:
-                    chunk.data = bytes(v)
+                    chunk.data = _msg(w, v, f"{where}.data")
                 elif n == 2:
-                    chunk.format = bytes(v).decode()
+                    chunk.format = _text(w, v, f"{where}.format")
                 elif n == 3:
-                    chunk.expected_tokens = int(v)
+                    chunk.expected_tokens = _int(w, v, f"{where}.expected_tokens")
             return chunk
         if num == 3:
             raise WireError(f"{where}: audio (dmel) chunks are not supported", where)
     raise WireError(f"{where}: empty chunk", where)
 
 
-def _map_entry(buf: bytes) -> tuple[str, Any]:
-    key, value = "", b""
-    for num, _, val in fields(buf):
+def _map_entry(wt: int, buf: Any, where: str) -> tuple[str, int, Any]:
+    """(key, wire type of the value, value) of a map<string, ...> entry."""
+    key, value_wt, value = "", 2, b""
+    for num, w, val in fields(_msg(wt, buf, where)):
         if num == 1:
-            key = bytes(val).decode()
+            key = _text(w, val, f"{where} key")
         elif num == 2:
-            value = val
-    return key, value
+            value_wt, value = w, val
+    return key, value_wt, value
 
 
 def read_forward_backward_request(buf: bytes) -> ForwardBackwardRequest:
     req = ForwardBackwardRequest()
     legacy: dict[str, float] = {}
-    for num, _, val in fields(buf):
+    for num, wt, val in fields(buf):
         if num == 1:
-            req.model_id = bytes(val).decode()
+            req.model_id = _text(wt, val, "model_id")
         elif num == 2:
-            req.seq_id = _signed(val)
+            req.seq_id = _int(wt, val, "seq_id")
         elif num == 3:
             i = len(req.data)
             chunks, inputs = [], {}
-            for n, _, v in fields(val):
+            for n, w, v in fields(_msg(wt, val, f"data[{i}]")):
                 if n == 1:
-                    chunks.append(_read_chunk(v, f"data[{i}].model_input.chunks[{len(chunks)}]"))
+                    chunks.append(_read_chunk(_msg(w, v, f"data[{i}].model_input"),
+                                              f"data[{i}].model_input.chunks[{len(chunks)}]"))
                 elif n == 2:
-                    key, tensor = _map_entry(v)
-                    inputs[key] = read_tensor(tensor, f"data[{i}].loss_fn_inputs.{key}")
+                    key, tw, tensor = _map_entry(w, v, f"data[{i}].loss_fn_inputs")
+                    where = f"data[{i}].loss_fn_inputs.{key}"
+                    inputs[key] = read_tensor(_msg(tw, tensor, where), where)
             req.data.append(Datum(chunks, inputs))
         elif num == 4:
-            req.loss_fn = bytes(val).decode()
+            req.loss_fn = _text(wt, val, "loss_fn")
         elif num == 5:
-            key, v = _map_entry(val)
-            legacy[key] = struct.unpack("<d", v)[0] if v else 0.0
+            key, vw, v = _map_entry(wt, val, "loss_fn_config")
+            legacy[key] = _double(vw, v, f"loss_fn_config.{key}") if v else 0.0
         elif num == 6:
-            req.forward_only = bool(val)
+            req.forward_only = bool(_int(wt, val, "forward_only"))
         elif num == 7:
-            key, v = _map_entry(val)
-            for n, _, x in fields(v):
-                req.loss_fn_config[key] = struct.unpack("<d", x)[0] if n == 1 else bytes(x).decode()
+            key, vw, v = _map_entry(wt, val, "loss_fn_config")
+            where = f"loss_fn_config.{key}"
+            for n, w, x in fields(_msg(vw, v, where)):
+                if n in (1, 2):  # a number or a string
+                    req.loss_fn_config[key] = _double(w, x, where) if n == 1 else _text(w, x, where)
     for key, value in legacy.items():
         req.loss_fn_config.setdefault(key, value)
     return req

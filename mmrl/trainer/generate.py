@@ -65,11 +65,14 @@ def _draw(logits_V: torch.Tensor, sampling: RequestSampling, generator: torch.Ge
         logits[list(sampling.forbidden_token_ids)] += FORBIDDEN_BIAS
     if sampling.greedy:
         return int(logits.argmax())
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    # shifted so the top logit is 0: a tiny temperature then gives (1, 0, ...) instead of inf/inf = nan
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        # keep the smallest set whose mass reaches top_p (the most likely token always stays)
+        # keep the smallest set whose mass reaches top_p (the most likely token always stays, even
+        # for a top_p that rounds to 0)
         drop = sorted_p.cumsum(0) - sorted_p >= sampling.top_p
+        drop[0] = False
         probs = probs.clone()
         probs[order[drop]] = 0.0
     return int(torch.multinomial(probs, 1, generator=generator))
