@@ -437,6 +437,11 @@ class ServeSampler(str, Enum):
     trainer = "trainer"
 
 
+class ServeTrainer(str, Enum):
+    local = "local"
+    deepspeed = "deepspeed"
+
+
 @dataclass
 class ServeConfig:
     """`mmrl serve CONFIG`: a Tinker-API server (docs/serve.md). The model is `model.path`; API
@@ -454,6 +459,10 @@ class ServeConfig:
     # vllm: mmrl's rollout engine with each checkpoint merged in place; trainer: transformers
     # sampling in the server process (no vLLM; for tests and debugging).
     sampler: ServeSampler = ServeSampler.vllm
+    # Where each training client's LoRA trains. local: a peft model in the server process.
+    # deepspeed: trainer.world_size DeepSpeed ZeRO-3 ranks per client (Ray actors, set up like `mmrl
+    # train`'s; trainer.deepspeed and cluster.device apply), for models that do not fit one process.
+    trainer: ServeTrainer = ServeTrainer.local
     max_lora_rank: int = 64
     # LoRA alpha; null = the rank each client asks for (scaling 1).
     lora_alpha: Optional[float] = None

@@ -1,7 +1,7 @@
 """`mmrl serve CONFIG`: a self-hosted Tinker API backend for vision-language models (docs/serve.md).
 
 app.py (routes) -> service.py (engines and checkpoints) -> trainer.py (a peft LoRA per training
-client), sampler.py (vLLM or transformers), futures.py (ordered per-model queues), store.py (SQL),
+client, in the server process) or ranks.py (the same on DeepSpeed ZeRO-3 ranks), sampler.py (vLLM or transformers), futures.py (ordered per-model queues), store.py (SQL),
 auth.py (API keys), wire.py (the SDK's protobuf bodies), inputs.py (text and image chunks),
 losses.py (Tinker's built-in losses), openapi.py (the request bodies in /openapi.json).
 """

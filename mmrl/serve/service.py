@@ -1,4 +1,5 @@
-"""The engines behind the API: training clients (one `LoraTrainer` each), the sampler, and the
+"""The engines behind the API: training clients (one trainer each: `LoraTrainer` in this process, or
+with `serve.trainer: deepspeed` a `DeepSpeedLoraTrainer` on ZeRO-3 ranks), the sampler, and the
 checkpoints that connect them (files under `serve.store_dir`, rows in the store)."""
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
@@ -19,6 +20,11 @@ from mmrl.serve.sampler import HfSampler, SampleParams, VllmSampler
 from mmrl.serve.store import ServerHeartbeat, Store
 from mmrl.serve.trainer import LoraTrainer, UserInputError
 
+if TYPE_CHECKING:
+    from mmrl.serve.ranks import DeepSpeedLoraTrainer
+
+# the two trainer kinds (serve.trainer) have the same methods
+Trainer = Union[LoraTrainer, "DeepSpeedLoraTrainer"]
 TINKER = state.TINKER
 log = logging.getLogger("mmrl.serve")
 
@@ -43,7 +49,8 @@ class Service:
         self.server_id = self.heartbeat.server_id
         self.recovered_failed = 0
         self.queue: FutureQueue | None = None
-        self.trainers: dict[str, LoraTrainer] = {}
+        self.trainers: dict[str, Trainer] = {}
+        self.started_ray = False  # this server started Ray for its trainer ranks (and stops it)
         self.sampler: Any = None
         self.processor = self._processor()
         pads = [getattr(self.processor, k, None) for k in ("image_token_id", "video_token_id")]
@@ -65,6 +72,8 @@ class Service:
         try:
             self._join_servers()
             self.queue = FutureQueue(self.store, self.server_id)
+            if self.cfg.serve.trainer.value == "deepspeed":
+                await self.queue.in_thread(self._start_ray)
             if self.cfg.serve.sampler.value == "trainer":
                 self.sampler = await self.queue.in_thread(
                     lambda: HfSampler(self.model_path, self.cfg.model.dtype.value, self.cfg.model.trust_remote_code))
@@ -85,11 +94,42 @@ class Service:
         log.info("server %s: %d requests of stopped servers failed, %d partial saves swept", self.server_id,
                  self.recovered_failed, swept)
 
+    def _start_ray(self) -> None:
+        """Ray for the trainer ranks (serve.trainer: deepspeed), as `mmrl train` starts it; started
+        on a worker thread, so Ray does not take over the server's signal handlers."""
+        import ray
+
+        from mmrl.utils.env import init_local_ray
+
+        if ray.is_initialized():  # a caller's (a test's, an embedding program's) Ray
+            return
+        cfg = self.cfg
+        if cfg.cluster.ray_address:
+            ray.init(address=cfg.cluster.ray_address, runtime_env={"env_vars": self._rank_env()})
+        else:
+            init_local_ray(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
+                           runtime_env={"env_vars": self._rank_env()}, log_to_driver=True)
+        self.started_ray = True
+
+    def _rank_env(self) -> dict[str, str]:
+        from mmrl.utils.env import engine_env, resolve_device
+
+        return engine_env(self.store_dir, resolve_device(self.cfg.cluster.device.value))
+
     async def stop(self) -> None:
         if self.sampler is not None:
             await self.sampler.shutdown()
         if self.queue is not None:
             await self.queue.close()
+        for model_id in list(self.trainers):  # the ranks of every training client
+            self.trainers.pop(model_id).close()
+        if self.started_ray:
+            import ray
+
+            from mmrl.utils.env import cleanup_shm
+
+            ray.shutdown()
+            cleanup_shm()  # buffers no process holds any more (ranks that died on their own)
         self.heartbeat.stop()  # after the queue: the requests it did not finish are failed
 
     # ---- vLLM engine settings (as `mmrl train` builds them) ---------------------------------------
@@ -137,13 +177,13 @@ class Service:
                 "model_data": {"arch": "lora", "model_name": self.model_name, "tokenizer_id": self.model_path},
                 "is_lora": True, "lora_rank": row["lora_rank"]}
 
-    def trainer(self, owner: str, model_id: str) -> LoraTrainer:
+    def trainer(self, owner: str, model_id: str) -> Trainer:
         row = self.store.model(owner, model_id)
         if row is None or row["status"] == "unloaded":
             raise NotFound(f"model_id {model_id!r} not found", "model_id")
         return self.trainers[model_id] if model_id in self.trainers else self._missing(model_id, row)
 
-    def _missing(self, model_id: str, row: dict[str, Any]) -> LoraTrainer:
+    def _missing(self, model_id: str, row: dict[str, Any]) -> Trainer:
         if row["status"] == "creating":
             raise UserInputError(f"model_id {model_id!r} is still being created", "model_id")
         raise NotFound(f"model_id {model_id!r} is not loaded in this server (created before a restart); resume it "
@@ -151,19 +191,30 @@ class Service:
                        f"'tinker://{model_id}/weights/<name>')", "model_id")
 
     # ---- jobs -----------------------------------------------------------------------------------
-    def _build_trainer(self, lora: dict[str, Any], alpha: float | None) -> LoraTrainer:
+    def _build_trainer(self, lora: dict[str, Any], alpha: float | None) -> Trainer:
         cfg = self.cfg
-        return LoraTrainer(
-            self.model_path, rank=int(lora["rank"]), alpha=alpha, seed=lora.get("seed"),
+        kwargs: dict[str, Any] = dict(
+            rank=int(lora["rank"]), alpha=alpha, seed=lora.get("seed"),
             train_attn=lora.get("train_attn", True), train_mlp=lora.get("train_mlp", True),
             train_unembed=lora.get("train_unembed", True), train_projector=cfg.serve.lora_projector,
-            train_vision=cfg.serve.lora_vision,
-            dtype=cfg.model.dtype.value,
+            train_vision=cfg.serve.lora_vision, dtype=cfg.model.dtype.value,
             trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.serve.trainer.value == "local":
+            return LoraTrainer(self.model_path, **kwargs)
+        from mmrl.serve.ranks import DeepSpeedLoraTrainer
+        from mmrl.utils.env import resolve_device
+
+        return DeepSpeedLoraTrainer(self.model_path, world_size=cfg.trainer.world_size,
+                                    device=resolve_device(cfg.cluster.device.value),
+                                    deepspeed=dict(cfg.trainer.deepspeed), env=self._rank_env(),
+                                    processor=cfg.processor.name, **kwargs)
 
     def unload(self, model_id: str) -> None:
-        """Drop the model's trainer from memory; its row says unloaded (its checkpoints stay)."""
-        self.trainers.pop(model_id, None)
+        """Drop the model's trainer (with serve.trainer=deepspeed its ranks are killed); its row says
+        unloaded (its checkpoints stay)."""
+        trainer = self.trainers.pop(model_id, None)
+        if trainer is not None:
+            trainer.close()
         self.store.set_model_status(model_id, "unloaded")
 
     async def create_model(self, model_id: str, lora: dict[str, Any]) -> dict[str, Any]:
@@ -230,10 +281,17 @@ class Service:
             row = self.state_checkpoint(owner, path)
             lora, alpha = self.state_lora(row)
             trainer = await self.queue.in_thread(self._build_trainer, lora, alpha)
-            await self.queue.in_thread(state.load_state, trainer, row["file"], path, with_optimizer)
         except (UserInputError, NotFound) as e:
             self.store.set_model_status(model_id, "failed")
             raise JobError(str(e)) from None
+        try:
+            await self.queue.in_thread(state.load_state, trainer, row["file"], path, with_optimizer)
+        except BaseException as e:
+            trainer.close()  # its ranks, if any, go with it
+            if isinstance(e, (UserInputError, NotFound)):
+                self.store.set_model_status(model_id, "failed")
+                raise JobError(str(e)) from None
+            raise
         self.trainers[model_id] = trainer
         self.store.set_model_status(model_id, "ready")
         return {"type": "load_weights", "path": path, "model_id": model_id}

@@ -5,8 +5,9 @@ A state checkpoint is a folder under `serve.store_dir/checkpoints/<model_id>/wei
 - `optimizer.safetensors`: AdamW's per-parameter state (`<param name>::step|exp_avg|exp_avg_sq`),
   absent when no optim_step ran yet;
 - `meta.json`: the base model, the LoRA config, the step count and the optimizer's hyperparameters.
-Tensors are keyed by parameter name, not by the optimizer's positional ids, so a checkpoint loads
-into any trainer with the same adapter layout and says which tensor differs when it does not.
+Tensors are keyed by parameter name, not by the optimizer's positional ids or ZeRO-3 partitions, so
+a checkpoint loads into any trainer with the same adapter layout, either kind (`serve.trainer`
+local or deepspeed), and says which tensor differs when it does not.
 
 Writes are atomic: the folder is written under a `.tmp-<server id>.<token>` name, renamed to a name
 no earlier save used, and only then recorded in the store; a kill leaves a `.tmp-` folder or an
@@ -23,9 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from mmrl.serve.trainer import LoraTrainer, UserInputError
+from mmrl.serve.trainer import UserInputError, check_adapter_layout
 
 TINKER = "tinker://"
 # the path segment of each checkpoint kind, and the store's name for that kind
@@ -70,27 +69,7 @@ def check_name(name: Any) -> str:
     return name
 
 
-def trainable_names(trainer: LoraTrainer) -> list[str]:
-    """Names of `trainer.params`, in the same order (the optimizer's positional ids)."""
-    return [n for n, p in trainer.model.named_parameters() if p.requires_grad]
-
-
-# ---- save -----------------------------------------------------------------------------------------
-def optimizer_tensors(trainer: LoraTrainer) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """(per-parameter AdamW state keyed by name, the hyperparameters) — ({}, None) before any step."""
-    if trainer.optimizer is None:
-        return {}, None
-    sd = trainer.optimizer.state_dict()
-    if len(sd["param_groups"]) != 1:  # LoraTrainer builds one group; a second would need its own ids
-        raise RuntimeError("optimizer state with several parameter groups is not supported")
-    names = trainable_names(trainer)
-    tensors = {f"{names[i]}::{k}": v.detach().clone().contiguous()
-               for i, entry in sd["state"].items() for k, v in entry.items()}
-    hyper = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
-    return tensors, hyper
-
-
-def write_state(trainer: LoraTrainer, root: Path, name: str, meta: dict[str, Any],
+def write_state(trainer: Any, root: Path, name: str, meta: dict[str, Any],
                 server_id: str | None = None) -> tuple[Path, int]:
     """Write the trainer's state as a new folder under `root`; (the folder, its size in bytes).
     `server_id` (the writing server's) goes into the `.tmp-` name, for `sweep_partial`."""
@@ -102,7 +81,7 @@ def write_state(trainer: LoraTrainer, root: Path, name: str, meta: dict[str, Any
     tmp.mkdir()
     try:
         save_file(trainer.adapter_state(), str(tmp / "adapter.safetensors"))
-        opt, hyper = optimizer_tensors(trainer)
+        opt, hyper = trainer.optimizer_state()
         if opt:
             save_file(opt, str(tmp / "optimizer.safetensors"))
         full = {**meta, "format": FORMAT, "steps": trainer.steps, "optimizer": hyper}
@@ -165,49 +144,20 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
     return json.loads((Path(folder) / "meta.json").read_text())
 
 
-def load_state(trainer: LoraTrainer, folder: str | Path, path: str, with_optimizer: bool) -> None:
-    """Load a state folder into `trainer`: the adapter always; AdamW's moments and step count
-    when `with_optimizer`, else a fresh optimizer (the next optim_step starts Adam anew). Gradients
-    accumulated before the load are dropped: they belong to the replaced weights."""
+def load_state(trainer: Any, folder: str | Path, path: str, with_optimizer: bool) -> None:
+    """Load a state folder into `trainer` (either trainer kind: the files name tensors, not ranks or
+    optimizer slots): the adapter always; AdamW's moments and step count when `with_optimizer`,
+    else a fresh optimizer (the next optim_step starts Adam anew). Gradients accumulated before the
+    load are dropped: they belong to the replaced weights."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     meta = read_meta(folder)
-    _copy_adapter(trainer, load_file(str(folder / "adapter.safetensors")), path)
-    trainer.optimizer = None
-    for p in trainer.params:
-        p.grad = None
+    saved = load_file(str(folder / "adapter.safetensors"))
+    check_adapter_layout(trainer.adapter_shapes(), saved, path)
+    trainer.load_adapter(saved)
     if with_optimizer and meta.get("optimizer") is not None:
-        trainer.optimizer = _restored_optimizer(trainer, load_file(str(folder / "optimizer.safetensors")),
-                                                meta["optimizer"])
+        trainer.load_optimizer(load_file(str(folder / "optimizer.safetensors")), meta["optimizer"])
+    else:
+        trainer.load_optimizer(None, None)
     trainer.steps = int(meta.get("steps", 0)) if with_optimizer else 0
-
-
-def _copy_adapter(trainer: LoraTrainer, saved: dict[str, torch.Tensor], path: str) -> None:
-    own = {n: p for n, p in trainer.model.named_parameters() if ".lora_" in n}
-    missing, extra = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
-    if missing or extra:
-        raise UserInputError(f"path {path!r}: its adapter does not match this model's LoRA layout "
-                             f"({len(missing)} tensors missing, {len(extra)} unexpected, e.g. "
-                             f"{(missing or extra)[0]})", "path")
-    for n, p in own.items():
-        if tuple(saved[n].shape) != tuple(p.shape):
-            raise UserInputError(f"path {path!r}: {n} has shape {tuple(saved[n].shape)}, this model's is "
-                                 f"{tuple(p.shape)} (another LoRA rank?)", "path")
-    with torch.no_grad():
-        for n, p in own.items():
-            p.copy_(saved[n].to(p.dtype))
-
-
-def _restored_optimizer(trainer: LoraTrainer, saved: dict[str, torch.Tensor],
-                        hyper: dict[str, Any]) -> torch.optim.AdamW:
-    names = trainable_names(trainer)
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for i, name in enumerate(names):
-        entry = {k.split("::", 1)[1]: v for k, v in saved.items() if k.split("::", 1)[0] == name}
-        if entry:
-            state[i] = entry
-    optimizer = torch.optim.AdamW(trainer.params, lr=float(hyper.get("lr", 1e-4)))
-    group = {**hyper, "betas": tuple(hyper.get("betas", (0.9, 0.95))), "params": list(range(len(names)))}
-    optimizer.load_state_dict({"state": state, "param_groups": [group]})
-    return optimizer

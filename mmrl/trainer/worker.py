@@ -62,16 +62,7 @@ class TrainerSpec:
 class TrainerWorker:
     def __init__(self, rank: int, spec: TrainerSpec):
         self.rank, self.spec = rank, spec
-        os.environ.update(spec.env)
-        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
-                           "LOCAL_WORLD_SIZE": str(spec.world_size), "MASTER_ADDR": spec.master_addr})
-        if spec.device == "cpu":
-            # ranks share the machine's cores; one thread each avoids oversubscription
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) // spec.world_size))
-        torch.manual_seed(spec.seed + rank)
-        # DeepSpeed's ZeRO-3 collectives call torch.distributed names that torch has deprecated;
-        # nothing a user can act on, and Ray repeats the warning on the console every step.
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        prepare_rank_process(rank, spec.world_size, spec.master_addr, spec.env, spec.device, spec.seed + rank)
         self.engine: Any = None
         from mmrl.processors.base import processor_class
 
@@ -84,45 +75,29 @@ class TrainerWorker:
         """Rank 0: listen for the other ranks on a port the kernel picks in this process, and
         return it. A port picked elsewhere and bound here later can be taken in between (Ray
         starts workers and servers meanwhile): the run then died with EADDRINUSE."""
-        from torch.distributed.constants import default_pg_timeout
-
         assert self.rank == 0, "the rendezvous is rank 0's"
-        self._store = torch.distributed.TCPStore(self.spec.master_addr, 0, self.spec.world_size, is_master=True,
-                                                 wait_for_workers=False, timeout=default_pg_timeout)
+        self._store = open_rendezvous_store(self.spec.master_addr, self.spec.world_size)
         return self._store.port
 
     def setup(self, master_port: int) -> dict[str, Any]:
         """Join the process group at rank 0's rendezvous (`open_rendezvous`), then build the
         ZeRO-3 engine(s)."""
         import deepspeed
-        from torch.distributed.constants import default_pg_timeout
-        from transformers import AutoModelForImageTextToText
         from transformers.integrations import HfDeepSpeedConfig
 
         from mmrl import registry
 
         t0 = time.time()
         spec = self.spec
-        backend = "nccl" if spec.device == "cuda" else "gloo"
-        os.environ["MASTER_PORT"] = str(master_port)
-        store = self._store if self.rank == 0 else torch.distributed.TCPStore(
-            spec.master_addr, master_port, spec.world_size, is_master=False, timeout=default_pg_timeout)
-        torch.distributed.init_process_group(backend, store=store, rank=self.rank, world_size=spec.world_size,
-                                             timeout=default_pg_timeout)
-        deepspeed.init_distributed(dist_backend=backend)  # adopts the group above
-        if spec.device == "cuda":
-            torch.cuda.set_device(0)  # each Ray actor sees exactly its own GPU
+        join_process_group(self.rank, spec.world_size, spec.master_addr, master_port, spec.device,
+                           getattr(self, "_store", None))
         ds_config = build_deepspeed_config(grad_clip=spec.grad_clip, bf16=spec.dtype == "bfloat16", user=spec.deepspeed)
-        dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
         # Kept alive while the models are built: from_pretrained then partitions the weights
         # across ranks as they load (zero.Init) instead of materialising the full model per rank.
         self._hf_ds_config = HfDeepSpeedConfig(ds_config)
 
         def load() -> Any:
-            m = AutoModelForImageTextToText.from_pretrained(spec.model_path, dtype=dtype,
-                                                            trust_remote_code=spec.trust_remote_code)
-            m.config.use_cache = False
-            return m
+            return load_pretrained(spec.model_path, spec.dtype, spec.trust_remote_code)
 
         model = load()
         if spec.gradient_checkpointing:  # on the HF model: peft wraps it next
@@ -173,15 +148,8 @@ class TrainerWorker:
         mismatch. For such a forward, run the tower on a dummy patch grid, with zero weight, at
         the point where the image path runs it (right after the token embedding), so every rank
         performs the same gathers in the same order."""
-        if self.adapter.runs_vision(mm_inputs):
+        with vision_aligned(self.adapter, engine, mm_inputs):
             yield
-            return
-        embed = engine.module.get_input_embeddings()
-        hook = embed.register_forward_hook(lambda _m, _i, out: out + 0.0 * self.adapter.dummy_vision_output(engine.module))
-        try:
-            yield
-        finally:
-            hook.remove()
 
     def _reference(self) -> tuple[Any, Any]:
         """(engine, context) computing the reference policy's logprobs."""
@@ -389,18 +357,90 @@ class TrainerWorker:
         return None
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
+        leave_process_group()
 
-        if dist.is_initialized():
-            import deepspeed.comm
 
-            dist.barrier()
-            # through DeepSpeed, which also drops the groups it cached (its world-group clone):
-            # a later rank in the same process would otherwise get the destroyed ones
-            if deepspeed.comm.is_initialized():
-                deepspeed.comm.destroy_process_group()
-            else:  # setup failed before DeepSpeed adopted the group
-                dist.destroy_process_group()
+# ---- a ZeRO-3 rank's set-up, shared with the serve's ranks (mmrl/serve/ranks.py) -------------------
+def prepare_rank_process(rank: int, world_size: int, master_addr: str, env: dict[str, str], device: str,
+                         seed: int) -> None:
+    """The process environment of rank `rank` (before anything imports DeepSpeed)."""
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr})
+    if device == "cpu":
+        # ranks share the machine's cores; one thread each avoids oversubscription
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    torch.manual_seed(seed)
+    # DeepSpeed's ZeRO-3 collectives call torch.distributed names that torch has deprecated;
+    # nothing a user can act on, and Ray repeats the warning on the console every step.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+def open_rendezvous_store(master_addr: str, world_size: int) -> Any:
+    """Rank 0's TCPStore on a port the kernel picks in this process (`.port`); see
+    TrainerWorker.open_rendezvous for why here."""
+    from torch.distributed.constants import default_pg_timeout
+
+    return torch.distributed.TCPStore(master_addr, 0, world_size, is_master=True, wait_for_workers=False,
+                                      timeout=default_pg_timeout)
+
+
+def join_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
+                       store: Any = None) -> None:
+    """Join the ranks' process group at rank 0's rendezvous (rank 0 passes its `store`) and hand it
+    to DeepSpeed."""
+    import deepspeed
+    from torch.distributed.constants import default_pg_timeout
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    os.environ["MASTER_PORT"] = str(master_port)
+    if rank != 0:
+        store = torch.distributed.TCPStore(master_addr, master_port, world_size, is_master=False,
+                                           timeout=default_pg_timeout)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                         timeout=default_pg_timeout)
+    deepspeed.init_distributed(dist_backend=backend)  # adopts the group above
+    if device == "cuda":
+        torch.cuda.set_device(0)  # each Ray actor sees exactly its own GPU
+
+
+def load_pretrained(model_path: str, dtype: str, trust_remote_code: bool) -> Any:
+    """The HF model, partitioned across the ranks as it loads while an HfDeepSpeedConfig is alive."""
+    from transformers import AutoModelForImageTextToText
+
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    m = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    m.config.use_cache = False
+    return m
+
+
+@contextmanager
+def vision_aligned(adapter: Any, engine: Any, mm_inputs: dict[str, torch.Tensor]) -> Iterator[None]:
+    """See TrainerWorker.vision_aligned (`adapter`: the family's processor adapter class)."""
+    if adapter.runs_vision(mm_inputs):
+        yield
+        return
+    embed = engine.module.get_input_embeddings()
+    hook = embed.register_forward_hook(lambda _m, _i, out: out + 0.0 * adapter.dummy_vision_output(engine.module))
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+def leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        import deepspeed.comm
+
+        dist.barrier()
+        # through DeepSpeed, which also drops the groups it cached (its world-group clone):
+        # a later rank in the same process would otherwise get the destroyed ones
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()
+        else:  # setup failed before DeepSpeed adopted the group
+            dist.destroy_process_group()
 
 
 def make_trainer_actors(spec: TrainerSpec, options: dict[str, Any]) -> list[Any]:
