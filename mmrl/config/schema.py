@@ -459,6 +459,13 @@ class ServeConfig:
     # vllm: mmrl's rollout engine with each checkpoint merged in place; trainer: transformers
     # sampling in the server process (no vLLM; for tests and debugging).
     sampler: ServeSampler = ServeSampler.vllm
+    # With sampler=vllm: each sampling checkpoint is a vLLM LoRA adapter in the one engine instead of
+    # merged into its weights, so different clients' checkpoints sample concurrently with no weight
+    # switch (add_lora ~2.5 ms at save vs ~15-21 ms per merge switch). The cost: on CPU an adapter
+    # halves the tiny model's sampling speed (benchmarks/results/vllm_lora_probe.json). Ranks up to
+    # max_lora_rank. A checkpoint with an lm_head adapter (the SDK's default train_unembed) is merged
+    # in place instead and samples alone: vLLM 0.32 cannot serve lm_head adapters (docs/serve.md).
+    vllm_lora: bool = False
     # Where each training client's LoRA trains. local: a peft model in the server process.
     # deepspeed: trainer.world_size DeepSpeed ZeRO-3 ranks per client (Ray actors, set up like `mmrl
     # train`'s; trainer.deepspeed and cluster.device apply), for models that do not fit one process.

@@ -8,7 +8,8 @@ A checkpoint for sampling is stored as the adapter's weight deltas (HF checkpoin
 - `HfSampler` (`serve.sampler: trainer`): a transformers model in this process, sampled with the
   trainer's own sampling code (`mmrl.trainer.generate`): no vLLM, for tests and debugging.
 Switching checkpoints serialises sampling (one set of weights is live at a time); requests for
-the checkpoint already loaded do not pay for a switch.
+the checkpoint already loaded do not pay for a switch. `serve.vllm_lora: true` serves checkpoints
+as vLLM LoRA adapters instead, side by side (`mmrl.serve.lora_sampler.LoraVllmSampler`).
 """
 from __future__ import annotations
 
@@ -162,34 +163,44 @@ class VllmSampler:
 
     async def run(self, key: str, deltas_fn: Callable[[], dict[str, torch.Tensor]], prompt: Prompt,
                   n: int, params: SampleParams, prompt_logprobs: bool) -> dict[str, Any]:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         async with self.state.lock:
             if self.state.current != key:
                 await self._load(deltas_fn())
                 self.state.current = key
-            sp = SamplingParams(n=n, max_tokens=params.max_tokens, temperature=params.temperature,
-                                top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-                                seed=params.seed, stop=params.stop_strs or None,
-                                stop_token_ids=params.stop_tokens or None, logprobs=0,
-                                logit_bias={t: -100.0 for t in params.forbidden} or None,
-                                prompt_logprobs=0 if prompt_logprobs else None,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
             final = None
+            sp = sampling_params(n, params, prompt_logprobs)
             async for out in self.engine.llm.generate(prompt.engine_prompt(), sp,
                                                       request_id=f"tinker-{uuid.uuid4().hex[:12]}"):
                 final = out
-        seqs = []
-        for c in sorted(final.outputs, key=lambda c: c.index):
-            toks = list(c.token_ids)
-            lps = [float(step[t].logprob) for t, step in zip(toks, c.logprobs or [])]
-            seqs.append({"tokens": toks, "logprobs": lps,
-                         "stop_reason": "length" if c.finish_reason == "length" else "stop"})
-        result: dict[str, Any] = {"sequences": seqs}
-        if prompt_logprobs:
-            plp = final.prompt_logprobs or []
-            # over the expanded prompt (vision tokens included), as Tinker counts an image chunk
-            result["prompt_logprobs"] = [None if d is None else float(d[t].logprob)
-                                         for t, d in zip(final.prompt_token_ids, plp)]
-        return result
+        return sequences_of(final, prompt_logprobs)
+
+
+def sampling_params(n: int, params: SampleParams, prompt_logprobs: bool) -> Any:
+    """vLLM's SamplingParams of a Tinker sample request (final output only)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(n=n, max_tokens=params.max_tokens, temperature=params.temperature,
+                          top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+                          seed=params.seed, stop=params.stop_strs or None,
+                          stop_token_ids=params.stop_tokens or None, logprobs=0,
+                          logit_bias={t: -100.0 for t in params.forbidden} or None,
+                          prompt_logprobs=0 if prompt_logprobs else None,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def sequences_of(final: Any, prompt_logprobs: bool) -> dict[str, Any]:
+    """A Tinker sample result from vLLM's final RequestOutput."""
+    seqs = []
+    for c in sorted(final.outputs, key=lambda c: c.index):
+        toks = list(c.token_ids)
+        lps = [float(step[t].logprob) for t, step in zip(toks, c.logprobs or [])]
+        seqs.append({"tokens": toks, "logprobs": lps,
+                     "stop_reason": "length" if c.finish_reason == "length" else "stop"})
+    result: dict[str, Any] = {"sequences": seqs}
+    if prompt_logprobs:
+        plp = final.prompt_logprobs or []
+        # over the expanded prompt (vision tokens included), as Tinker counts an image chunk
+        result["prompt_logprobs"] = [None if d is None else float(d[t].logprob)
+                                     for t, d in zip(final.prompt_token_ids, plp)]
+    return result

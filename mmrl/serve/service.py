@@ -74,9 +74,20 @@ class Service:
             self.queue = FutureQueue(self.store, self.server_id)
             if self.cfg.serve.trainer.value == "deepspeed":
                 await self.queue.in_thread(self._start_ray)
+            if self.cfg.serve.vllm_lora and self.cfg.serve.sampler.value != "vllm":
+                raise ValueError("serve.vllm_lora=true needs serve.sampler=vllm (vLLM's LoRA adapters); set one "
+                                 "of them")
             if self.cfg.serve.sampler.value == "trainer":
                 self.sampler = await self.queue.in_thread(
                     lambda: HfSampler(self.model_path, self.cfg.model.dtype.value, self.cfg.model.trust_remote_code))
+            elif self.cfg.serve.vllm_lora:
+                from mmrl.serve.lora_sampler import LoraVllmSampler, lora_engine_args
+
+                serve = self.cfg.serve
+                kwargs = lora_engine_args(self._engine_kwargs(), serve.max_lora_rank,
+                                          serve.lora_projector or serve.lora_vision)
+                self.sampler = LoraVllmSampler(kwargs, self._engine_env(), self._base_state, self._lora_dir(),
+                                               self.model_path, self.cfg.model.trust_remote_code)
             else:
                 self.sampler = VllmSampler(self._engine_kwargs(), self._engine_env(), self._base_state)
             await self.sampler.start()
@@ -155,6 +166,16 @@ class Service:
             cpu_engine_defaults(kwargs)
             kwargs.setdefault("enable_chunked_prefill", False)  # per-request seeds (see RolloutEngine)
         return kwargs
+
+    def _lora_dir(self) -> Path:
+        """Where the sampler writes its scratch adapter (the base model's zero adapter; a name of
+        its own per server, removed at shutdown)."""
+        folder = self.store_dir / "lora"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def _lora_sampling(self) -> bool:
+        return self.cfg.serve.vllm_lora and self.cfg.serve.sampler.value == "vllm"
 
     def _base_state(self) -> dict[str, torch.Tensor]:
         from transformers import AutoModelForImageTextToText
@@ -314,21 +335,46 @@ class Service:
             state.check_name(name)
         except UserInputError as e:  # in a job: the future fails with the message
             raise JobError(str(e)) from None
-        deltas = await self.queue.in_thread(trainer.merged_lora_deltas)
         folder = self.store_dir / "checkpoints" / model_id / "sampler_weights"
         folder.mkdir(parents=True, exist_ok=True)
-        file = folder / f"{name}.safetensors"
-        from safetensors.torch import save_file
-
-        tmp = file.with_suffix(".tmp")
-        save_file(deltas, str(tmp))
-        os.replace(tmp, file)
         path = f"{TINKER}{model_id}/sampler_weights/{name}"
-        self.store.add_checkpoint(owner, path, model_id, "sampler", name, str(file), file.stat().st_size)
+        lm_head = self._lora_sampling() and any(
+            ".lm_head." in k for k in await self.queue.in_thread(trainer.adapter_shapes))
+        if self._lora_sampling() and not lm_head:
+            file, size = await self._save_adapter(trainer, folder, name, path)
+        else:  # merged deltas (with serve.vllm_lora: an lm_head adapter, which vLLM cannot serve)
+            deltas = await self.queue.in_thread(trainer.merged_lora_deltas)
+            file = folder / f"{name}.safetensors"
+            from safetensors.torch import save_file
+
+            tmp = file.with_suffix(".tmp")
+            save_file(deltas, str(tmp))
+            os.replace(tmp, file)
+            size = file.stat().st_size
+        old = self.store.add_checkpoint(owner, path, model_id, "sampler", name, str(file), size)
+        if old is not None and old["file"] != str(file):
+            state.remove_files(old["file"])
         out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": path}
         if ephemeral:
             out["sampling_session_id"] = self.store.add_sampling_session(owner, path, self.model_name)
         return out
+
+    async def _save_adapter(self, trainer: Trainer, root: Path, name: str, path: str) -> tuple[Path, int]:
+        """serve.vllm_lora: the checkpoint as a peft adapter folder, loaded into the engine now so a
+        bad one fails this save (a failed future naming the checkpoint), never a later sample.
+        A new folder per save: an adapter vLLM evicted is read again from its folder, which a
+        later save under the same name must not have changed."""
+        from mmrl.serve.lora_sampler import write_peft_adapter
+
+        folder = root / f"{name}.lora-{uuid.uuid4().hex[:8]}"
+        tensors = await self.queue.in_thread(trainer.adapter_state)
+        await self.queue.in_thread(write_peft_adapter, folder, tensors, trainer.rank, trainer.alpha, self.model_path)
+        try:
+            await self.sampler.add(str(folder), f"checkpoint {path!r}")
+        except UserInputError as e:
+            state.remove_files(str(folder))
+            raise JobError(str(e)) from None
+        return folder, sum(f.stat().st_size for f in folder.iterdir())
 
     def sampling_target(self, owner: str, sampling_session_id: str | None, model_path: str | None,
                         base_model: str | None) -> tuple[str, str | None]:
@@ -356,6 +402,13 @@ class Service:
 
     async def sample(self, key: str, file: str | None, prompt: Prompt, n: int, params: SampleParams,
                      prompt_logprobs: bool) -> dict[str, Any]:
+        if self._lora_sampling():  # an adapter rides on its requests; merged deltas load in place
+            try:
+                return await self.sampler.run_checkpoint(key, file, f"checkpoint {key.rsplit('@', 1)[0]!r}",
+                                                         prompt, n, params, prompt_logprobs)
+            except UserInputError as e:
+                raise JobError(str(e)) from None
+
         def deltas() -> dict[str, torch.Tensor]:
             if file is None:
                 return {}
