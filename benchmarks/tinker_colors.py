@@ -2,7 +2,7 @@
 `mmrl serve`) beside `mmrl train` on the same task, measured in one run: held-out accuracy by
 step and by wall time in one plot, and p50/p95 seconds of the SDK's calls on this machine.
 
-  .venv/bin/python benchmarks/tinker_colors.py [--steps 400] [--train-steps 200] [--skip-train]
+  .venv/bin/python benchmarks/tinker_colors.py [--steps 300] [--train-steps 200] [--skip-train]
 Writes benchmarks/results/tinker_colors.json and .png (needs `make assets`)."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from _train_runs import curve_summary, train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "colors_demo.yaml"
-CALLS = ("sample", "forward_backward", "optim_step", "save_weights_for_sampler")
+CALLS = ("sample", "forward_backward", "forward_backward_prior", "optim_step", "save_weights_for_sampler")
 
 
 def start_server(store: Path, key: str, log: Path) -> tuple[subprocess.Popen, str]:
@@ -57,12 +57,13 @@ def start_server(store: Path, key: str, log: Path) -> tuple[subprocess.Popen, st
 def run_example(url: str, key: str, steps: int, log: Path) -> tuple[list[dict], float]:
     t0 = time.time()
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "tinker_colors_rl.py"), "--model", "work/tiny-vlm",
-                           "--data", "work/data/colors", "--steps", str(steps), "--log", str(log)], cwd=REPO,
+                           "--data", "work/data/colors", "--steps", str(steps)], cwd=REPO,
                           env={**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": key, "HF_HUB_OFFLINE": "1"},
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"the example failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in log.read_text().splitlines()], time.time() - t0
+    log.write_text(proc.stdout)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], time.time() - t0
 
 
 def latency(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -76,7 +77,7 @@ def latency(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=400, help="the example's step budget (it stops at 0.95)")
+    ap.add_argument("--steps", type=int, default=300, help="the example's step budget and lr-decay horizon (it stops at 0.95)")
     ap.add_argument("--train-steps", type=int, default=200, help="mmrl train's step budget")
     ap.add_argument("--skip-train", action="store_true", help="only the Tinker run (no mmrl train curve)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))

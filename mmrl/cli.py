@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("serve", help="a Tinker API server (the official tinker SDK drives it): LoRA training "
-                                      "and sampling of the config's model (docs/serve.md)")
+                                      "and sampling of the config's model (docs/service.md)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p.add_argument("--host", default=None, help="default: serve.host")

@@ -444,7 +444,7 @@ class ServeTrainer(str, Enum):
 
 @dataclass
 class ServeConfig:
-    """`mmrl serve CONFIG`: a Tinker-API server (docs/serve.md). The model is `model.path`; API
+    """`mmrl serve CONFIG`: a Tinker-API server (docs/service.md). The model is `model.path`; API
     keys come from MMRL_API_KEYS and/or `api_keys_file`."""
 
     host: str = "127.0.0.1"
@@ -464,7 +464,7 @@ class ServeConfig:
     # switch (add_lora ~2.5 ms at save vs ~15-21 ms per merge switch). The cost: on CPU an adapter
     # halves the tiny model's sampling speed (benchmarks/results/vllm_lora_probe.json). Ranks up to
     # max_lora_rank. A checkpoint with an lm_head adapter (the SDK's default train_unembed) is merged
-    # in place instead and samples alone: vLLM 0.32 cannot serve lm_head adapters (docs/serve.md).
+    # in place instead and samples alone: vLLM 0.32 cannot serve lm_head adapters (docs/service.md).
     vllm_lora: bool = False
     # Where each training client's LoRA trains. local: a peft model in the server process.
     # deepspeed: trainer.world_size DeepSpeed ZeRO-3 ranks per client (Ray actors, set up like `mmrl

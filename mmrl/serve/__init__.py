@@ -1,4 +1,4 @@
-"""`mmrl serve CONFIG`: a self-hosted Tinker API backend for vision-language models (docs/serve.md).
+"""`mmrl serve CONFIG`: a self-hosted Tinker API backend for vision-language models (docs/service.md).
 
 app.py (routes) -> service.py (engines and checkpoints) -> trainer.py (a peft LoRA per training
 client, in the server process) or ranks.py (the same on DeepSpeed ZeRO-3 ranks), sampler.py (vLLM or transformers), futures.py (ordered per-model queues), store.py (SQL),

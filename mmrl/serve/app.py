@@ -334,7 +334,7 @@ def make_app(service: Service, keys: Keys) -> FastAPI:
     # not in /openapi.json: it is no operation (and one route with five methods repeats its operationId)
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def unsupported(rest: str) -> JSONResponse:
-        return _err(404, f"/api/v1/{rest} is not supported by mmrl serve yet (docs/serve.md)", "path")
+        return _err(404, f"/api/v1/{rest} is not supported by mmrl serve yet (docs/service.md)", "path")
 
     return app
 

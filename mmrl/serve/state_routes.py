@@ -170,7 +170,7 @@ def state_router(service: Service, body: Callable, need: Callable, future: Calla
     @router.delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> Response:
         if checkpoint_id.count("/") != 1:  # e.g. .../publish (unpublish): not a checkpoint
-            message = f"{request.url.path} is not supported by mmrl serve yet (docs/serve.md)"
+            message = f"{request.url.path} is not supported by mmrl serve yet (docs/service.md)"
             return JSONResponse({"error": message, "field": "path", "detail": message}, status_code=404)
         owned_run(request.state.owner, run_id)
         service.delete_checkpoint(request.state.owner, run_id, checkpoint_id)
