@@ -142,3 +142,11 @@ def test_algorithm_and_stability_keys_are_checked(tmp_path) -> None:
     cfg = load_config(None, ["algorithm.kl.estimator=k3+", "algorithm.kl.placement=reward"], check_files=False,
                       check_plugins=False)
     assert cfg.algorithm.kl.placement.value == "reward"
+
+
+def test_vllm_lora_without_the_vllm_sampler_is_refused_at_load() -> None:
+    """`mmrl serve` must not start engines for a config it cannot serve: the cross-key check is
+    the config's, before anything starts."""
+    with pytest.raises(ConfigError, match=r"'serve.vllm_lora'.*serve.sampler=vllm"):
+        load_config(DEMO, ["serve.vllm_lora=true", "serve.sampler=trainer"], check_files=False)
+    assert load_config(DEMO, ["serve.vllm_lora=true"], check_files=False).serve.vllm_lora

@@ -193,6 +193,9 @@ def _check_positive(cfg: Config) -> None:
     if cfg.stability.enabled and not cfg.checkpoint.every_steps:
         raise ConfigError("Config key 'stability.enabled' is true but 'checkpoint.every_steps' is 0: the guard rolls "
                           "back to a checkpoint. Set checkpoint.every_steps (e.g. 25) or stability.enabled=false.")
+    if cfg.serve.vllm_lora and cfg.serve.sampler.value != "vllm":
+        raise ConfigError("Config key 'serve.vllm_lora' is true with serve.sampler=trainer: LoRA adapters are "
+                          "vLLM's. Set serve.sampler=vllm, or serve.vllm_lora=false.")
     if cfg.rollout.backend.value == "trainer" and cfg.rollout.mode.value != "sync":
         raise ConfigError("Config key 'rollout.backend' is 'trainer' with rollout.mode=async: the trainer cannot "
                           "sample while it trains. Use rollout.mode=sync with the trainer backend, or "

@@ -105,13 +105,11 @@ def read_model_shape(path: str, trust_remote_code: bool = False, lora_targets: l
                      lora_rank: int = 8) -> ModelShape:
     """Exact parameter counts from the model built on the meta device (config.json only)."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from mmrl.trainer.model_setup import find_vision_parts
+    from mmrl.trainer.model_setup import find_vision_parts, model_skeleton
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
+    model = model_skeleton(path, trust_remote_code)
+    config = model.config
     parts = find_vision_parts(model)
     named = list(model.named_parameters())
     text, vision = config.get_text_config(), config.vision_config

@@ -73,13 +73,10 @@ def write_peft_adapter(folder: Path, tensors: dict[str, torch.Tensor], rank: int
 def write_zero_adapter(folder: Path, model_path: str, trust_remote_code: bool) -> None:
     """A rank-1 adapter with all-zero weights on one attention projection: the base model as an
     adapter (see the module docstring). Shapes from the model's layout, built on the meta device."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
     from mmrl.serve.trainer import lora_targets
+    from mmrl.trainer.model_setup import model_skeleton
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
+    skeleton = model_skeleton(model_path, trust_remote_code)
     name = lora_targets(skeleton, attn=True, mlp=False, unembed=False)[0]
     out_f, in_f = skeleton.get_submodule(name).weight.shape
     prefix = f"base_model.model.{name}"

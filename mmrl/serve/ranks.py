@@ -340,11 +340,9 @@ class DeepSpeedLoraTrainer:
 def _layout(model_path: str, trust_remote_code: bool, **parts: bool) -> tuple[list[str], int]:
     """(the layers that get an adapter, the vocabulary size), read from the model's structure on
     the meta device: no weights are loaded in the driver."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from mmrl.trainer.model_setup import model_skeleton
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
+    skeleton = model_skeleton(model_path, trust_remote_code)
     return lora_targets(skeleton, **parts), int(skeleton.get_output_embeddings().weight.shape[0])
 
 

@@ -74,9 +74,6 @@ class Service:
             self.queue = FutureQueue(self.store, self.server_id)
             if self.cfg.serve.trainer.value == "deepspeed":
                 await self.queue.in_thread(self._start_ray)
-            if self.cfg.serve.vllm_lora and self.cfg.serve.sampler.value != "vllm":
-                raise ValueError("serve.vllm_lora=true needs serve.sampler=vllm (vLLM's LoRA adapters); set one "
-                                 "of them")
             if self.cfg.serve.sampler.value == "trainer":
                 self.sampler = await self.queue.in_thread(
                     lambda: HfSampler(self.model_path, self.cfg.model.dtype.value, self.cfg.model.trust_remote_code))
@@ -173,9 +170,6 @@ class Service:
         folder = self.store_dir / "lora"
         folder.mkdir(parents=True, exist_ok=True)
         return folder
-
-    def _lora_sampling(self) -> bool:
-        return self.cfg.serve.vllm_lora and self.cfg.serve.sampler.value == "vllm"
 
     def _base_state(self) -> dict[str, torch.Tensor]:
         from transformers import AutoModelForImageTextToText
@@ -338,9 +332,9 @@ class Service:
         folder = self.store_dir / "checkpoints" / model_id / "sampler_weights"
         folder.mkdir(parents=True, exist_ok=True)
         path = f"{TINKER}{model_id}/sampler_weights/{name}"
-        lm_head = self._lora_sampling() and any(
+        lm_head = self.cfg.serve.vllm_lora and any(
             ".lm_head." in k for k in await self.queue.in_thread(trainer.adapter_shapes))
-        if self._lora_sampling() and not lm_head:
+        if self.cfg.serve.vllm_lora and not lm_head:
             file, size = await self._save_adapter(trainer, folder, name, path)
         else:  # merged deltas (with serve.vllm_lora: an lm_head adapter, which vLLM cannot serve)
             deltas = await self.queue.in_thread(trainer.merged_lora_deltas)
@@ -402,7 +396,7 @@ class Service:
 
     async def sample(self, key: str, file: str | None, prompt: Prompt, n: int, params: SampleParams,
                      prompt_logprobs: bool) -> dict[str, Any]:
-        if self._lora_sampling():  # an adapter rides on its requests; merged deltas load in place
+        if self.cfg.serve.vllm_lora:  # an adapter rides on its requests; merged deltas load in place
             try:
                 return await self.sampler.run_checkpoint(key, file, f"checkpoint {key.rsplit('@', 1)[0]!r}",
                                                          prompt, n, params, prompt_logprobs)

@@ -74,6 +74,16 @@ def find_vision_parts(model: torch.nn.Module) -> VisionParts:
     return VisionParts(tower=tower, projector=projector)
 
 
+def model_skeleton(path: str, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model built from its config on the meta device: its structure and shapes, no weights
+    loaded (layouts, adapter targets, parameter counts)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def _model_class(model: torch.nn.Module) -> str:
     base = getattr(model, "get_base_model", None)  # peft: name the wrapped model, not PeftModel
     return type(base() if callable(base) else model).__name__
