@@ -62,13 +62,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     import signal
 
     from mmrl.controller.restarts import RunStopped, train_with_restarts
+    from mmrl.rollout.workers import ActorRestartsExhausted
 
     # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the engines shut down cleanly and
     # release their shared memory.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:  # a trainer rank that dies: restarted from the newest checkpoint (run.max_restarts), then this
         summary = train_with_restarts(cfg, command=shlex.join(["mmrl", "train", args.config, *args.overrides]))
-    except RunStopped as e:
+    except (RunStopped, ActorRestartsExhausted) as e:
         print(f"mmrl: error: {e}", file=sys.stderr)
         return e.exit_code
     curve = summary.pop("heldout_curve", [])

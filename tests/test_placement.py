@@ -12,7 +12,7 @@ import pytest
 
 from mmrl.config import load_config
 from mmrl.config.load import ConfigError
-from mmrl.controller.placement import format_plan, placement_plan
+from mmrl.controller.placement import format_plan, placement_bundles, placement_plan
 from mmrl.utils.env import remove_stale_build_locks, torch_extensions_dir
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "colors_demo.yaml")
@@ -63,3 +63,77 @@ def test_trainer_backend_plan_has_no_vllm_engine() -> None:
     rollout = [p for p in plan if p.role == "rollout"]
     assert len(rollout) == 1 and rollout[0].resources == {"CPU": 0.0} and "trainer ranks" in rollout[0].work
     assert "weight buckets" not in format_plan(plan)
+
+
+JOINED = ["cluster.ray_address=auto"]  # role placement needs a cluster whose nodes offer it
+
+
+def test_the_default_plan_asks_for_no_placement() -> None:
+    """No placement keys: the actors' options are what they were (CPU/GPU only, no group)."""
+    plan = placement_plan(load_config(DEMO, [], check_files=False), "cpu")
+    assert all(set(p.ray_options()) == {"num_cpus"} and p.bundle is None and not p.labels for p in plan)
+    assert "placement group" not in format_plan(plan)
+
+
+def test_role_resources_and_labels_reach_each_actors_options() -> None:
+    cfg = load_config(DEMO, JOINED + ["cluster.role_resources.rollout.engine_node=0.01",
+                                      "cluster.role_labels.trainer.pool=train"], check_files=False)
+    plan = placement_plan(cfg, "cpu")
+    engine = next(p for p in plan if p.role == "rollout")
+    assert engine.ray_options() == {"num_cpus": 1.0, "resources": {"engine_node": 0.01}}
+    trainers = [p.ray_options() for p in plan if p.role == "trainer"]
+    assert trainers == [{"num_cpus": 0.5, "label_selector": {"pool": "train"}}] * 2
+    assert next(p for p in plan if p.role == "reward").ray_options() == {"num_cpus": 0.0}
+    text = format_plan(plan)
+    assert "CPU=1, engine_node=0.01" in text and "[labels pool=train] DeepSpeed" in text
+    assert "total Ray resources requested: CPU=2, engine_node=0.01" in text
+
+
+def test_a_placement_strategy_gives_bundles_to_the_actors_that_reserve_something() -> None:
+    """One bundle per engine and per rank, one for all the reward workers (their pool starts and
+    restarts them from one option set); the rollout workers ask for nothing and get none."""
+    cfg = load_config(DEMO, JOINED + ["cluster.placement_strategy=SPREAD", "reward_execution.num_workers=2",
+                                      "cluster.role_resources.reward.trainer_node=0.01",
+                                      "cluster.role_labels.trainer.pool=train"], check_files=False)
+    plan = placement_plan(cfg, "cpu")
+    assert [(p.role, p.bundle) for p in plan] == [("driver", None), ("rollout", 0), ("rollout_worker", None),
+                                                 ("reward", 1), ("reward", 1), ("trainer", 2), ("trainer", 3)]
+    bundles, labels = placement_bundles(plan)
+    assert bundles == [{"CPU": 1.0}, {"trainer_node": 0.02}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert labels == [{}, {}, {"pool": "train"}, {"pool": "train"}]
+    assert "placement group (cluster.placement_strategy): 4 bundles" in format_plan(plan)
+    group = object()  # stands in for the PlacementGroup reserve_placement() hands out
+    for p in plan:
+        if p.bundle is not None:
+            p.group = group
+    rank1 = plan[-1].ray_options()
+    strategy = rank1.pop("scheduling_strategy")
+    assert rank1 == {"num_cpus": 0.5}  # its labels are the bundle's now
+    assert strategy.placement_group is group and strategy.placement_group_bundle_index == 3
+    assert plan[3].ray_options()["resources"] == {"trainer_node": 0.01}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("cluster.role_resources.rollot.engine_node=1", r"'cluster.role_resources.rollot': unknown role 'rollot'. "
+                                                    r"Did you mean 'rollout'\?"),
+    ("cluster.role_labels.driver.pool=a", r"'cluster.role_labels.driver': unknown role .*the driver runs where"),
+    ("cluster.role_resources.trainer.CPU=2", r"'cluster.role_resources.trainer.CPU': CPU is not a custom resource"
+                                             r".*cluster.trainer_cpus_per_rank"),
+    ("cluster.role_resources.trainer.trainer_node=0", r"'cluster.role_resources.trainer.trainer_node': 0.0. "
+                                                      r"It must be positive"),
+    ("cluster.role_labels.trainer.pool=in(a,b)", r"'cluster.role_labels.trainer.pool': 'in\(a,b\)'. Give the label's "
+                                                 r"exact value"),
+    ("cluster.placement_strategy=PACKED", r"'cluster.placement_strategy'.*PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"),
+    ("cluster.role_resources.rollout=1", r"'cluster.role_resources.rollout'"),
+])
+def test_bad_placement_keys_are_refused_at_load(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, JOINED + [override], check_files=False)
+
+
+def test_role_placement_on_the_local_instance_is_refused() -> None:
+    """The local Ray instance mmrl starts has no custom resources or labels: the actors would wait forever."""
+    with pytest.raises(ConfigError, match=r"'cluster.role_resources' / 'cluster.role_labels'.*set cluster.ray_address"):
+        load_config(DEMO, ["cluster.role_labels.trainer.pool=train"], check_files=False)
+    plan = placement_plan(load_config(DEMO, ["cluster.placement_strategy=STRICT_PACK"], check_files=False), "cpu")
+    assert [p.bundle for p in plan if p.bundle is not None] == [0, 1, 2]  # a strategy alone is fine locally

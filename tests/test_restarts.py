@@ -10,7 +10,7 @@ run, through the real CLI: real Ray actors, two ZeRO-3 ranks, a vLLM engine.
 
 A run of N steps is the first N steps of a longer run with the same settings (no schedule,
 evaluation or checkpoint in these settings depends on run.max_steps), so the 12-step runs are
-compared with a 12-step uninterrupted run step by step."""
+compared step by step with the first 12 steps of the one 40-step uninterrupted run."""
 from __future__ import annotations
 
 import json
@@ -87,9 +87,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def straight(root: Path, tiny_model_dir: Path, colors_dir: Path) -> Path:
-    """12 steps, never interrupted."""
+    """40 steps, never interrupted: the 12-step runs below compare with its first 12."""
     run = root / "straight"
-    run_to_end(_cmd(run, tiny_model_dir, colors_dir, 12), root)
+    run_to_end(_cmd(run, tiny_model_dir, colors_dir, 40), root)
     return run
 
 
@@ -126,14 +126,10 @@ def test_without_restarts_the_run_stops_naming_the_rank_and_the_command_that_res
     _same_run(straight, run, 12)
 
 
-@pytest.mark.slow
-@pytest.mark.learning  # seven starts of a run: 7 minutes on 2 idle cores, 19 beside other training jobs;
-# too long for CI
+@pytest.mark.slow  # six starts of a run
 def test_five_kill_9s_of_the_whole_run_and_reruns_end_like_the_uninterrupted_run(
-        root: Path, tiny_model_dir: Path, colors_dir: Path) -> None:
-    steps = 40
-    expected = root / "straight_40"
-    run_to_end(_cmd(expected, tiny_model_dir, colors_dir, steps), root)
+        root: Path, straight: Path, tiny_model_dir: Path, colors_dir: Path) -> None:
+    steps, expected = 40, straight
     run = root / "killed_5x"
     # kill right after a step's metrics line: during the next step, or (every 4th) while its
     # checkpoint is being written

@@ -153,6 +153,7 @@ def _check_positive(cfg: Config) -> None:
         "trainer.lr": cfg.trainer.lr > 0,
         "eval.every_steps": cfg.eval.every_steps >= 0,
         "weight_sync.bucket_mb": cfg.weight_sync.bucket_mb > 0,
+        "weight_sync.timeout_s": cfg.weight_sync.timeout_s > 0,
         "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs >= 1,
         "algorithm.mini_batches": cfg.algorithm.mini_batches >= 1,
         "algorithm.dynamic_sampling.max_rounds": cfg.algorithm.dynamic_sampling.max_rounds >= 1,
@@ -161,6 +162,7 @@ def _check_positive(cfg: Config) -> None:
         "trainer.lora.rank": cfg.trainer.lora.rank >= 1,
         "checkpoint.every_steps": cfg.checkpoint.every_steps >= 0,
         "run.max_restarts": cfg.run.max_restarts >= 0,
+        "rollout.max_actor_restarts": cfg.rollout.max_actor_restarts >= 0,
         "algorithm.entropy_schedule.steps": cfg.algorithm.entropy_schedule.steps >= 0,
         "algorithm.entropy_schedule.start_step": cfg.algorithm.entropy_schedule.start_step >= 0,
         "trainer.lr_schedule.steps": cfg.trainer.lr_schedule.steps >= 0,
@@ -268,8 +270,104 @@ def _check_reward_labels(cfg: Config) -> None:
         seen[label] = i
 
 
+def _check_placement(cfg: Config) -> None:
+    """cluster.role_resources / role_labels name known roles, custom resources and plain labels."""
+    from mmrl.controller.placement import PLACED_ROLES
+
+    cl = cfg.cluster
+    for key, per_role in (("role_resources", cl.role_resources), ("role_labels", cl.role_labels)):
+        for role, wanted in per_role.items():
+            if role not in PLACED_ROLES:
+                close = difflib.get_close_matches(role, PLACED_ROLES, n=1)
+                raise ConfigError(f"Config key 'cluster.{key}.{role}': unknown role '{role}'."
+                                  + (f" Did you mean '{close[0]}'?" if close else "")
+                                  + f" Roles: {', '.join(PLACED_ROLES)} (rollout = the engines; the driver runs "
+                                    f"where `mmrl train` runs).")
+            for name, value in wanted.items():
+                where = f"cluster.{key}.{role}.{name}"
+                if key == "role_resources" and name in ("CPU", "GPU", "memory", "object_store_memory"):
+                    raise ConfigError(f"Config key '{where}': {name} is not a custom resource. CPUs have their own "
+                                      f"keys (cluster.rollout_cpus_per_engine, cluster.trainer_cpus_per_rank, "
+                                      f"reward_execution.num_cpus); GPUs follow cluster.device.")
+                if key == "role_resources" and value <= 0:
+                    raise ConfigError(f"Bad value for config key '{where}': {value!r}. It must be positive "
+                                      f"(e.g. 0.01: a share of a node's {name} marks it without filling it).")
+                if key == "role_labels" and (not value or value.startswith("!") or value.startswith("in(")):
+                    raise ConfigError(f"Bad value for config key '{where}': {value!r}. Give the label's exact "
+                                      f"value, e.g. {name}: train (matched as is).")
+    if (cl.role_resources or cl.role_labels) and not cl.ray_address:
+        raise ConfigError("Config keys 'cluster.role_resources' / 'cluster.role_labels' place actors on nodes that "
+                          "offer those resources or labels, which the local Ray instance mmrl starts does not: set "
+                          "cluster.ray_address to a cluster started with `ray start --resources=... --labels=...`.")
+
+
+def _check_weight_sync(cfg: Config) -> None:
+    """A transport the run's device cannot carry (cuda_ipc without CUDA) fails here, not at the
+    first sync."""
+    from mmrl.utils.env import resolve_device
+    from mmrl.weight_sync.transport import config_problem
+
+    problem = config_problem(cfg.weight_sync.transport.value, resolve_device(cfg.cluster.device.value))
+    if problem:
+        raise ConfigError(f"Config key 'weight_sync.transport': {problem}")
+
+
+def _check_colocate(cfg: Config) -> None:
+    """cluster.colocate needs what vLLM's sleep mode needs (CUDA) and a step in which the engines
+    are idle while the ranks train (sync rollout on vLLM engines), one engine per trainer GPU."""
+    from mmrl.utils.env import resolve_device
+
+    if not cfg.cluster.colocate:
+        return
+    ro = cfg.rollout
+    # vLLM 0.32: ModelConfig refuses enable_sleep_mode unless Platform.is_sleep_mode_available()
+    # (vllm/config/model.py; vllm/platforms/interface.py: CUDA, ROCm and XPU only), and the CPU
+    # worker's sleep()/wake_up() only log "sleep mode is not supported on CPU" (v1/worker/cpu_worker.py).
+    if resolve_device(cfg.cluster.device.value) != "cuda":
+        raise ConfigError(f"Config key 'cluster.colocate' is true but this run's device is "
+                          f"{resolve_device(cfg.cluster.device.value)} (cluster.device={cfg.cluster.device.value}): "
+                          f"colocation rests on vLLM's sleep mode, which needs CUDA. Set cluster.colocate=false "
+                          f"on CPU, or cluster.device=cuda on a GPU machine.")
+    if ro.backend.value == "trainer":
+        raise ConfigError("Config key 'cluster.colocate' is true with rollout.backend=trainer: the trainer ranks "
+                          "already sample on their own GPUs, there is no engine to colocate. Set "
+                          "cluster.colocate=false, or rollout.backend=vllm.")
+    if ro.mode.value != "sync":
+        raise ConfigError("Config key 'cluster.colocate' is true with rollout.mode=async: async generation runs "
+                          "beside training, so the engines cannot sleep while the ranks train. Use "
+                          "rollout.mode=sync with colocation, or cluster.colocate=false for async rollout.")
+    args = ro.engine_args
+    tp = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
+    if tp != 1:
+        raise ConfigError(f"Config key 'cluster.colocate' is true with rollout.engine_args tensor_parallel_size x "
+                          f"pipeline_parallel_size = {tp}: colocation places one single-GPU engine beside each "
+                          f"trainer rank. Use tensor_parallel_size=1 (and rollout.num_engines up to "
+                          f"trainer.world_size), or cluster.colocate=false.")
+    if ro.num_engines > cfg.trainer.world_size:
+        raise ConfigError(f"Config key 'rollout.num_engines' is {ro.num_engines} with cluster.colocate=true and "
+                          f"trainer.world_size={cfg.trainer.world_size}: each engine shares one trainer rank's GPU. "
+                          f"Set rollout.num_engines <= {cfg.trainer.world_size}.")
+    labels = cfg.cluster.role_labels
+    if labels.get("rollout", {}) != labels.get("trainer", {}):
+        raise ConfigError(f"Config keys 'cluster.role_labels.rollout' ({labels.get('rollout', {})}) and "
+                          f"'cluster.role_labels.trainer' ({labels.get('trainer', {})}) differ with "
+                          f"cluster.colocate=true: an engine and its trainer rank share one bundle on one node. "
+                          f"Give both roles the same labels.")
+    if args.get("enable_sleep_mode") is False:
+        raise ConfigError("Config key 'rollout.engine_args.enable_sleep_mode' is false with cluster.colocate=true: "
+                          "a colocated engine must sleep while the ranks train. Remove it (colocation sets it).")
+    util = args.get("gpu_memory_utilization")
+    if util is not None and not 0 < float(util) < 1:
+        raise ConfigError(f"Bad value for config key 'rollout.engine_args.gpu_memory_utilization': {util!r} with "
+                          f"cluster.colocate=true: the engine shares its GPU, give a fraction below 1, or null to "
+                          f"derive it from the memory plan.")
+
+
 def validate(cfg: Config, *, check_files: bool = True, check_plugins: bool = True) -> None:
     _check_positive(cfg)
+    _check_weight_sync(cfg)
+    _check_placement(cfg)
+    _check_colocate(cfg)
     if not cfg.rewards:
         raise ConfigError("Config key 'rewards' is empty: give at least one reward, e.g. "
                           "rewards: [{name: answer_match}].")

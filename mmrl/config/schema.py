@@ -48,6 +48,14 @@ class RunConfig:
     max_restarts: int = 2
 
 
+class PlacementStrategy(str, Enum):
+    """How a Ray placement group lays out its bundles (Ray's names)."""
+    PACK = "PACK"                    # as few nodes as possible
+    SPREAD = "SPREAD"                # across nodes, as evenly as possible
+    STRICT_PACK = "STRICT_PACK"      # all on one node
+    STRICT_SPREAD = "STRICT_SPREAD"  # each bundle on a different node
+
+
 @dataclass
 class ClusterConfig:
     device: Device = Device.auto
@@ -63,6 +71,25 @@ class ClusterConfig:
     # (mmrl/controller/memory_plan.py): a plan that does not fit is refused. null = ask torch.cuda
     # on this machine; with no GPU here the plan is printed without a fit check.
     gpu_memory_gb: Optional[float] = None
+    # Where each role's actors run. Roles: rollout (the engines), rollout_worker, reward, trainer
+    # (the names `mmrl train --dry-run` prints). role_resources: extra Ray resources each actor
+    # of the role asks for, e.g. {rollout: {engine_node: 0.01}} pins the engines to nodes started
+    # with `ray start --resources='{"engine_node": 1}'` (CPU and GPU have their own keys above).
+    role_resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    # role_labels: node labels the role's actors must run on (exact values), e.g.
+    # {trainer: {pool: train}} with `ray start --labels=pool=train`.
+    role_labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    # null: each actor is scheduled on its own (Ray's default). PACK, SPREAD, STRICT_PACK or
+    # STRICT_SPREAD: one placement group is reserved before any actor starts, with a bundle per
+    # engine and per trainer rank and one per worker role (the reward and rollout workers are
+    # started, and restarted, from one option set); actors that ask for nothing are left out.
+    placement_strategy: Optional[PlacementStrategy] = None
+    # false: split mode (engines and trainer ranks on separate GPUs). true: colocated (CUDA, sync
+    # rollout, vLLM backend): engine i shares trainer rank i's GPU (one placement-group bundle,
+    # PACK unless placement_strategy says otherwise) and sleeps (vLLM sleep mode, level 1) while
+    # the ranks train. Its gpu_memory_utilization, unless rollout.engine_args sets it, leaves the
+    # trainer rank its memory-plan share (mmrl/controller/colocate.py).
+    colocate: bool = False
 
 
 @dataclass
@@ -155,6 +182,10 @@ class RolloutConfig:
     num_workers: int = 1
     # Back-pressure: requests one router keeps in flight on one engine (more wait their turn).
     max_requests_per_engine: int = 256
+    # A rollout engine or rollout worker that dies (killed, OOM, a crash in vLLM) is replaced and
+    # its unfinished work redone, at most this many times per kind and `mmrl train`; one more
+    # death stops the run, naming the actor and how to resume. 0 = stop at the first.
+    max_actor_restarts: int = 3
     # What a weight update does to requests in flight (see PartialRollout).
     partial: PartialRollout = PartialRollout.keep
     # true: a weight update drops the KV cache, frozen requests recompute their prefix under the
@@ -405,10 +436,28 @@ class StabilityConfig:
     max_rollbacks: int = 3  # then stop the run with the report
 
 
+class WeightTransport(str, Enum):
+    # object_store on CPU; on CUDA collective, or cuda_ipc when every engine shares trainer rank
+    # 0's GPU (mmrl/weight_sync/transport.py says why)
+    auto = "auto"
+    # each bucket serialised (safetensors) into Ray's object store; an engine stages every bucket,
+    # then loads them all at once: it holds a second full copy of the weights while it stages
+    object_store = "object_store"
+    # a process group between trainer rank 0 and the engines' vLLM workers (gloo on CPU, NCCL on
+    # CUDA between distinct GPUs): rank 0 broadcasts each bucket, every engine loads it at once
+    collective = "collective"
+    # CUDA only, engines on trainer rank 0's GPU: each bucket shared as a CUDA IPC handle
+    cuda_ipc = "cuda_ipc"
+
+
 @dataclass
 class WeightSyncConfig:
     # Parameters are gathered from ZeRO-3 shards and sent in buckets of about this size.
     bucket_mb: float = 64.0
+    # How the buckets reach the engines (see WeightTransport; docs/training.md "Weight sync").
+    transport: WeightTransport = WeightTransport.auto
+    # collective: how long a member waits for the others (joining the group, each broadcast).
+    timeout_s: float = 600.0
 
 
 @dataclass

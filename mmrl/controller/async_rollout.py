@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import ray
 
 from mmrl.controller.metrics import rollout_metrics, weight_sync_metrics
 from mmrl.controller.rollout_log import log_rollouts
 from mmrl.data.sample import Sample
 from mmrl.processors import PromptRef
 from mmrl.rollout.types import SamplingConfig, Trajectory
+from mmrl.rollout.workers import WorkerLost
 
 # The driver checks the rollout and reward workers this often while it waits for a batch.
 POLL_S = 0.05
@@ -53,6 +53,7 @@ class _Draw:
     scored: bool = False
     keep: bool = True  # reward on_error=drop_group says no
     result: Any = None  # GroupResult
+    outcome: Any = None  # the GroupOutcome, to tell whether it died with its worker
 
 
 class AsyncRollout:
@@ -117,12 +118,17 @@ class AsyncRollout:
         """Take in finished rollouts (to the reward workers) and finished scores."""
         refs = [d.ref for d in self._draws.values() if d.ref is not None]
         if refs:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
+            ready = self.rt.workers.wait(refs, num_returns=len(refs), timeout=POLL_S)
             by_ref = {d.ref: d for d in self._draws.values() if d.ref is not None}
             for ref in ready:
                 draw = by_ref[ref]
-                out = self.rt.workers.take(ref)
+                try:
+                    out = self.rt.workers.take(ref)
+                except WorkerLost:
+                    self._redo(draw)
+                    continue
                 draw.ref = None
+                draw.outcome = out
                 if out.failure is not None:
                     self.batches.record_failure(out.failure)
                     self._consume(draw.index)
@@ -133,6 +139,7 @@ class AsyncRollout:
                 draw.reward = self.rt.rewards.submit(draw.sample, texts, [list(t.response_ids) for t in draw.group])
         else:
             time.sleep(POLL_S)
+        self._redo_lost_outcomes()
         self.rt.rewards.poll()
         for draw in list(self._draws.values()):
             if draw.reward is not None and not draw.scored and draw.reward.done:
@@ -140,6 +147,18 @@ class AsyncRollout:
                 result.apply(draw.group)
                 draw.scored, draw.keep = True, result.keep
                 draw.result = result
+
+    def _redo(self, draw: _Draw) -> None:
+        """Roll `draw` out again (its worker died); a score that still comes for it is ignored."""
+        draw.prompt = draw.group = draw.reward = draw.result = draw.outcome = None
+        draw.scored, draw.keep = False, True
+        draw.ref = self.rt.workers.submit(draw.sample, draw.index, self.sampling)
+
+    def _redo_lost_outcomes(self) -> None:
+        """Roll out again the finished groups whose prompts died with their rollout worker."""
+        for draw in list(self._draws.values()):
+            if draw.outcome is not None and self.rt.workers.outcome_lost(draw.outcome):
+                self._redo(draw)
 
     def _staleness(self, draw: _Draw, version: int) -> int:
         oldest = min((t.weight_version for t in draw.group or [] if t.weight_version >= 0), default=version)
@@ -152,6 +171,8 @@ class AsyncRollout:
         dropped = Counter()
         while True:
             self._fill()
+            self.rt.workers.replace_dead(timeout=0)
+            self._redo_lost_outcomes()
             ready: list[_Draw] = []
             for index in sorted(self._draws):
                 draw = self._draws[index]
@@ -226,6 +247,7 @@ def run_async_step(rt: Any, window: AsyncRollout, advantage_fn: Any, spans: Any,
     window.on_new_version(rt.weight_version)
     if rt.monitor is not None:
         metrics.update(rt.monitor.metrics())
+    metrics.update(rt.restart_metrics())
     # the engines' busy windows since the last step (trace tracks rollout/engine_<i>)
     for engine, windows in enumerate(rt.workers.engine_windows(len(rt.engines))):
         for start, end in windows:

@@ -20,12 +20,13 @@ import torch
 
 from mmrl.config.load import to_yaml
 from mmrl.config.schema import Config
+from mmrl.controller.colocate import colocated_engine_args, engine_colocation
 from mmrl.controller.learn import needs_reference, update_policy
 from mmrl.controller.metrics import rollout_metrics, weight_sync_metrics
-from mmrl.controller.placement import placement_plan
+from mmrl.controller.placement import colocated, placement_plan, placement_strategy, reserve_placement
 from mmrl.data.sample import Sample
 from mmrl.controller.prompts import SampleBatches
-from mmrl.controller.restarts import record_ranks
+from mmrl.controller.restarts import EngineRestarts, record_ranks
 from mmrl.controller.rollout_log import log_rollouts
 from mmrl.controller.rollout import EngineMonitor, rollout_and_score_groups, run_rollout
 from mmrl.processors import PromptRef, build_processor
@@ -39,6 +40,12 @@ from mmrl.trainer.worker import TrainerSpec, make_trainer_actors, setup_ranks
 from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
 from mmrl.utils.cpu_clock import ProcessTreeClock
 from mmrl.utils.timing import Milestones, StepSpans
+
+
+# After a failed weight push: how long a dead engine may take to show as dead (its watch() call
+# fails within a second or two of the death; a bound, not a timing assumption: nothing dead, the
+# error is raised as it was)
+ENGINE_DEATH_WAIT_S = 30.0
 
 
 @dataclass
@@ -65,6 +72,12 @@ class Runtime:
     rendezvous: tuple[str, int] | None = None
     # each trainer rank's {rank, pid, node} (also RUN_DIR/ranks.json): a rank that dies is named by them
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    engine_restarts: EngineRestarts | None = None  # replaces dead engines (None: rollout.backend=trainer)
+
+    def restart_metrics(self) -> dict[str, float]:
+        """Engines and rollout workers replaced so far in this run (rollout.max_actor_restarts)."""
+        return {"rollout/engine_restarts": float(self.engine_restarts.count if self.engine_restarts else 0),
+                "rollout/worker_restarts": float(self.workers.restarts)}
 
     def push_weights(self, new_version: bool = True) -> dict[str, float]:
         """Give the engines the trainers' weights (as `weight_version`, bumped first unless
@@ -75,7 +88,20 @@ class Runtime:
         if self.cfg.rollout.backend.value == "trainer":
             ray.get([e.apply_weights.remote(self.weight_version) for e in self.engines])
             return {"mb": 0.0}
-        return ray.get([t.sync_weights.remote(self.engines, self.weight_version, self.cfg.weight_sync.bucket_mb)
+        try:
+            return self.sync_weights_to(self.engines, self.weight_version)
+        except ray.exceptions.RayError:
+            # An engine that died during the push is replaced (with these weights); then the
+            # push is repeated for all, so every engine runs the same version. Anything else
+            # (no engine died: a trainer rank, say) is raised as it was.
+            if not self.workers.replace_dead_engines(timeout=ENGINE_DEATH_WAIT_S):
+                raise
+            return self.sync_weights_to(self.engines, self.weight_version)
+
+    def sync_weights_to(self, engines: list[Any], version: int) -> dict[str, float]:
+        """The trainers' weights into `engines` as `version` (all ranks take part in the gathers)."""
+        ws = self.cfg.weight_sync
+        return ray.get([t.sync_weights.remote(engines, version, ws.bucket_mb, ws.transport.value, ws.timeout_s)
                         for t in self.trainers])[0]
 
     def close(self) -> None:
@@ -124,17 +150,31 @@ def start_runtime(cfg: Config) -> Runtime:
     startup.mark("ray")
 
     plan = placement_plan(cfg, device)
+    strategy = placement_strategy(cfg, device)  # cluster.placement_strategy; PACK when colocated
+    reserve_placement(plan, strategy, name=f"mmrl:{run_dir.resolve()}")
     llm_kwargs = engine_kwargs(cfg.model.path, cfg.model.dtype.value, cfg.run.seed, cfg.rollout.engine_args,
                                min_pixels=cfg.processor.min_pixels, max_pixels=cfg.processor.max_pixels)
     llm_kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
+    if colocated(cfg, device):  # sleep mode, and room for the trainer rank on the same GPU
+        colocated_engine_args(cfg, device, llm_kwargs)
     if device == "cpu":
         cpu_engine_defaults(llm_kwargs)
         if cfg.rollout.seed_per_step:
             llm_kwargs.setdefault("enable_chunked_prefill", False)  # see RolloutEngine.generate
+    if strategy and llm_kwargs.get("tensor_parallel_size", 1) * llm_kwargs.get("pipeline_parallel_size", 1) > 1:
+        # vLLM would put its workers into the placement group it runs in (any GPU bundle, the
+        # trainers' too): its own processes instead, on the engine actor's GPUs
+        llm_kwargs.setdefault("distributed_executor_backend", "mp")
     vllm_backend = cfg.rollout.backend.value == "vllm"
-    engines = [RolloutEngine.as_actor(p.ray_options(), {**llm_kwargs, "seed": cfg.run.seed + p.index}, env,
+    engine_places = [p for p in plan if p.role == "rollout" and vllm_backend]
+
+    def start_engine(i: int) -> Any:  # engine i, at the start and when it is replaced
+        p = engine_places[i]
+        return RolloutEngine.as_actor(p.ray_options(), {**llm_kwargs, "seed": cfg.run.seed + p.index}, env,
                                       partial=cfg.rollout.partial.value, recompute_kv=cfg.rollout.recompute_kv)
-               for p in plan if p.role == "rollout" and vllm_backend]
+
+    engines = [start_engine(i) for i in range(len(engine_places))]
+    engine_restarts = EngineRestarts(start_engine, cfg.rollout.max_actor_restarts) if vllm_backend else None
     # The engines start first: vLLM's start (an actor, then its engine-core process, each
     # importing vLLM) is the longest chain of the start-up; everything below runs beside it.
     starting = {e.ready.remote(): "engines" for e in engines}
@@ -149,7 +189,7 @@ def start_runtime(cfg: Config) -> Runtime:
     sampling = SamplingConfig(n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               forbidden_token_ids=forbidden, seed=None)
-    trainer_opts = next(p for p in plan if p.role == "trainer").ray_options()
+    trainer_opts = [p.ray_options() for p in plan if p.role == "trainer"]  # per rank: its own bundle
     alg = cfg.algorithm
     loss = LossSettings(
         policy_loss=alg.policy_loss, policy_loss_args={"clip_low": alg.clip_low, "clip_high": alg.clip_high,
@@ -171,7 +211,12 @@ def start_runtime(cfg: Config) -> Runtime:
         lora={"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
               "target_modules": list(lora.target_modules)} if lora.enabled else None,
         freeze_vision_tower=cfg.trainer.freeze_vision_tower, freeze_projector=cfg.trainer.freeze_projector,
-        gradient_checkpointing=cfg.trainer.gradient_checkpointing)
+        gradient_checkpointing=cfg.trainer.gradient_checkpointing,
+        release_cache_after_update=colocated(cfg, device))
+    if colocated(cfg, device):
+        # vLLM sizes its KV cache from the GPU memory it sees taken while it profiles: the ranks
+        # that share its GPU start loading only once it is up (controller/colocate.py)
+        ray.get([ref for ref, what in starting.items() if what == "engines"])
     trainers = make_trainer_actors(spec, trainer_opts)
     if not vllm_backend:
         engines = [TrainerRolloutEngine.as_actor(p.ray_options(), trainers, processor_spec)
@@ -189,7 +234,8 @@ def start_runtime(cfg: Config) -> Runtime:
                          actor_options=next(p for p in plan if p.role == "reward").ray_options())
     workers = RolloutWorkers(cfg.rollout.num_workers, engines, processor_spec, cfg.rollout.agent_loop,
                              cfg.rollout.agent_loop_args, cfg.rollout.max_requests_per_engine,
-                             actor_options=next(p for p in plan if p.role == "rollout_worker").ray_options())
+                             actor_options=next(p for p in plan if p.role == "rollout_worker").ray_options(),
+                             max_restarts=cfg.rollout.max_actor_restarts, on_engine_lost=engine_restarts)
     startup.mark("workers_started")  # reward and rollout workers; the engines and ranks start meanwhile
     pending = list(starting)
     while pending:  # in the order they come up: which of them the start waits for
@@ -200,10 +246,14 @@ def start_runtime(cfg: Config) -> Runtime:
     ranks = record_ranks(run_dir, ray.get(rank_setups))
     workers.ready()
     startup.mark("rollout_workers_ready")
-    return Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
-                   sampling=sampling, engines=engines, workers=workers, trainers=trainers,
-                   monitor=EngineMonitor(engines), cpu_clock=None if cfg.cluster.ray_address else ProcessTreeClock(),
-                   startup=startup, rendezvous=(spec.master_addr, ray.get(rendezvous_port)), ranks=ranks)
+    rt = Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
+                 sampling=sampling, engines=engines, workers=workers, trainers=trainers,
+                 monitor=EngineMonitor(engines), cpu_clock=None if cfg.cluster.ray_address else ProcessTreeClock(),
+                 startup=startup, rendezvous=(spec.master_addr, ray.get(rendezvous_port)), ranks=ranks,
+                 engine_restarts=engine_restarts)
+    if engine_restarts is not None:
+        engine_restarts.runtime = rt
+    return rt
 
 
 def evaluate(rt: Runtime, heldout: list[Sample]) -> dict[str, float]:
@@ -290,12 +340,20 @@ def run_step(rt: Runtime, samples: list[Sample], advantage_fn: Any, spans: StepS
         metrics["train/skipped_steps"] = 1.0  # every group dropped: nothing to learn from
         return metrics, used
     log_rollouts(rt, step, used, prompts, groups)
+    colo = engine_colocation(rt)  # cluster.colocate: the engines sleep while the ranks train
+    if colo:
+        colo.sleep(spans)
     metrics.update(update_policy(rt.trainers, cfg, prompts, groups, advantage_fn, spans, step))
+    if colo:
+        colo.wake_weights(spans)  # the sync loads into the weights; the KV cache wakes after it
     with spans("weight_sync"):
         sync = rt.push_weights()
+    if colo:
+        colo.wake_kv_cache(spans)
     metrics.update({**weight_sync_metrics(sync), "weight_version": float(rt.weight_version)})
     if rt.monitor is not None:
         metrics.update(rt.monitor.metrics())
+    metrics.update(rt.restart_metrics())
     return metrics, used
 
 

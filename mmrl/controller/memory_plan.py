@@ -39,6 +39,20 @@ rollout engine (per device of its tensor_parallel_size):
                 head dim x dtype bytes) / tp; on CPU: VLLM_CPU_KVCACHE_SPACE GiB
   runtime       non-torch memory, CUDA graphs and the profiled activations of the largest batch
                 (vision encoder included): 2 GiB, a rule of thumb for a 7B model
+
+colocated (cluster.colocate: engine i on trainer rank i's GPU), per shared GPU, the peak of three phases:
+  train         the rank's terms above + the sleeping engine's residue (vLLM sleep level 1 moves
+                its weights to host memory and frees its KV cache; the CUDA context and memory
+                outside vLLM's sleep pool stay: 1 GiB, a rule of thumb)
+  weight sync   the rank's hold + the engine's weights and runtime (woken first) + the sync's
+                buffers (object_store: the whole model staged; collective / cuda_ipc: ~2 buckets)
+  rollout       the rank's hold + the engine's budget, gpu_memory_utilization x memory (weights,
+                KV cache, runtime)
+  The rank's hold between updates is its whole update peak: PyTorch's caching allocator keeps
+  the freed activation and logit blocks and the ranks neither empty nor offload them yet, so the
+  plan counts them (and says how much emptying them would give back). The default
+  gpu_memory_utilization (rollout.engine_args unset or null) is what the hold leaves, less a 2%
+  margin: 1 - hold / memory - 0.02, rounded down to 0.01.
 """
 from __future__ import annotations
 
@@ -48,6 +62,7 @@ from dataclasses import dataclass, field
 
 from mmrl.config.load import ConfigError
 from mmrl.config.schema import Config
+from mmrl.controller.placement import colocated
 
 GIB = 2**30
 TRAINER_RUNTIME_GIB = 1.5
@@ -55,6 +70,9 @@ ENGINE_RUNTIME_GIB = 2.0
 VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 DS_DEFAULT_SUB_GROUP_SIZE = 1e9
+ENGINE_ASLEEP_GIB = 1.0  # what a colocated engine keeps on its GPU while asleep (rule of thumb)
+COLOCATE_MARGIN = 0.02  # of the GPU's memory, left free by the derived gpu_memory_utilization
+RELEASABLE = ("activations", "logits")  # trainer terms an emptied allocator cache would give back
 
 # What to change when a term is the biggest one on a device that does not fit.
 FIXES = {
@@ -72,6 +90,11 @@ FIXES = {
     "engine_weights": "rollout.engine_args.tensor_parallel_size=2 (or more), or a higher "
                       "rollout.engine_args.gpu_memory_utilization",
     "kv_cache": "a lower rollout.engine_args.gpu_memory_utilization or max_model_len",
+    "trainer_hold": "fewer bytes per trainer rank (more ranks, LoRA, a frozen tower, gradient checkpointing, a "
+                    "smaller micro-batch), or cluster.colocate=false",
+    "engine_asleep": "a device with more memory, or cluster.colocate=false",
+    "sync_buffers": "weight_sync.transport=collective (about two buckets staged instead of the whole model) or a "
+                    "smaller weight_sync.bucket_mb",
 }
 
 
@@ -153,6 +176,9 @@ class DeviceLoad:
     capacity_bytes: float | None = None  # None: no fit check
     capacity_detail: str = ""
     notes: list[str] = field(default_factory=list)
+    # colocated: each phase's terms (name, terms); `terms` is then the peak phase's
+    phases: list[tuple[str, list[Term]]] = field(default_factory=list)
+    hint: str = ""  # added to a refusal (colocated: the gpu_memory_utilization that fits)
 
     @property
     def total(self) -> float:
@@ -241,10 +267,12 @@ def trainer_load(cfg: Config, shape: ModelShape, device: str) -> DeviceLoad:
     return DeviceLoad("trainer rank", n, terms)
 
 
-def engine_load(cfg: Config, shape: ModelShape, device: str, memory: float | None) -> DeviceLoad:
+def engine_load(cfg: Config, shape: ModelShape, device: str, memory: float | None,
+                util: float | None = None) -> DeviceLoad:
+    """One engine's device; `util` overrides its gpu_memory_utilization (colocation's default)."""
     from mmrl.rollout.engine import DEFAULT_ENGINE_ARGS
 
-    args = {**DEFAULT_ENGINE_ARGS, **cfg.rollout.engine_args}
+    args = {**DEFAULT_ENGINE_ARGS, **{k: v for k, v in cfg.rollout.engine_args.items() if v is not None}}
     tp = int(args.get("tensor_parallel_size", 1))
     b = _bytes_of(args.get("dtype", cfg.model.dtype.value))
     kv_b = 1 if str(args.get("kv_cache_dtype", "auto")).startswith("fp8") else b
@@ -266,7 +294,8 @@ def engine_load(cfg: Config, shape: ModelShape, device: str, memory: float | Non
             terms.insert(1, Term("kv_cache", "KV cache", needed,
                                  f"{in_flight} sequences x {seq_tokens:,} tokens x {per_token / 1024:.1f} KiB"))
         else:
-            util = float(args.get("gpu_memory_utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION))
+            util = float(util if util is not None else
+                         args.get("gpu_memory_utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION))
             capacity = util * memory  # vLLM's budget: the KV cache fills what the rest leaves of it
             left = capacity - weights - ENGINE_RUNTIME_GIB * GIB
             one_sequence = seq_tokens * per_token  # vLLM refuses to start with less
@@ -280,6 +309,66 @@ def engine_load(cfg: Config, shape: ModelShape, device: str, memory: float | Non
     load = DeviceLoad(role, cfg.rollout.num_engines, terms, capacity, notes=notes)
     if capacity is not None:
         load.capacity_detail = f" (gpu_memory_utilization x {memory / GIB:g} GiB)"
+    return load
+
+
+def trainer_hold(trainer: DeviceLoad) -> float:
+    """What a colocated rank keeps on its GPU between updates: its update peak less the
+    activations and logits, whose cached blocks it gives back after each update
+    (TrainerSpec.release_cache_after_update)."""
+    return trainer.total - sum(t.bytes for t in trainer.terms if t.key in RELEASABLE)
+
+
+def colocated_gpu_memory_utilization(trainer: DeviceLoad, memory: float) -> float:
+    """What a colocated engine may take of a GPU whose trainer rank holds `trainer_hold` bytes
+    between updates: 1 - hold / memory - COLOCATE_MARGIN, rounded down to 0.01 (0 when nothing
+    is left)."""
+    return max(0.0, math.floor((1.0 - trainer_hold(trainer) / memory - COLOCATE_MARGIN) * 100) / 100)
+
+
+def _sync_buffers(cfg: Config, shape: ModelShape) -> Term:
+    """What the weight sync adds on a colocated GPU: the engine's staging and the rank's gathered bucket."""
+    b = _bytes_of(cfg.model.dtype.value)
+    bucket = cfg.weight_sync.bucket_mb * 2**20
+    transport = cfg.weight_sync.transport.value
+    if transport == "auto":  # weight_sync/transport.py on CUDA: cuda_ipc when every engine is on rank 0's GPU
+        transport = "cuda_ipc" if cfg.rollout.num_engines == 1 else "collective"
+    if transport == "object_store":
+        return Term("sync_buffers", "sync buffers", shape.params * b + bucket,
+                    "object_store: the engine stages the whole model, + the rank's gathered bucket")
+    return Term("sync_buffers", "sync buffers", 3 * bucket,
+                f"{transport}: ~2 buckets staged in the engine + the rank's gathered bucket")
+
+
+def colocated_load(cfg: Config, shape: ModelShape, trainer: DeviceLoad, engine: DeviceLoad,
+                   memory: float | None) -> DeviceLoad:
+    """A GPU shared by trainer rank i and engine i: its phases, and its peak as `terms`."""
+    hold = Term("trainer_hold", "trainer rank", trainer_hold(trainer),
+                "its shards, optimizer state and gradients (activations and logits given back after the update)")
+    by_key = {t.key: Term(t.key, t.label if t.key == "kv_cache" else "engine " + t.label, t.bytes, t.detail)
+              for t in engine.terms}
+    phases = [
+        ("train (engine asleep)", trainer.terms + [Term("engine_asleep", "engine asleep", ENGINE_ASLEEP_GIB * GIB,
+                                                        "CUDA context, memory outside vLLM's sleep pool")]),
+        ("weight sync (engine weights awake)", [hold, by_key["engine_weights"], by_key["runtime"],
+                                                _sync_buffers(cfg, shape)]),
+        ("rollout (engine awake)", [hold] + [by_key[t.key] for t in engine.terms]),
+    ]
+    peak = max(phases, key=lambda ph: sum(t.bytes for t in ph[1]))
+    load = DeviceLoad(f"GPU shared by a trainer rank and an engine (colocated, peak: {peak[0].split(' (')[0]})",
+                      cfg.rollout.num_engines, peak[1], memory, " (the whole GPU)", phases=phases,
+                      notes=list(engine.notes))
+    released = trainer.total - trainer_hold(trainer)
+    load.notes.append(f"the rank empties its CUDA cache after each update: its activations and logits "
+                      f"({_size(released)}) are the engine's during the weight sync and the rollout")
+    load.notes.append(f"each sleeping engine keeps its weights in host memory: {_size(by_key['engine_weights'].bytes)} "
+                      f"of pinned RAM per engine")
+    if engine.capacity_bytes is not None and memory:
+        most = colocated_gpu_memory_utilization(trainer, memory)
+        load.notes.append(f"engine budget: gpu_memory_utilization {engine.capacity_bytes / memory:.2f} x "
+                          f"{memory / GIB:g} GiB; the most that leaves the rank its hold is {most:.2f}")
+        load.hint = (f" (colocated: rollout.engine_args.gpu_memory_utilization at most {most:.2f}, or null to "
+                     f"derive it)")
     return load
 
 
@@ -309,7 +398,15 @@ def memory_plan(cfg: Config, device: str, memory_gib: float | None = None, shape
     trainer.capacity_bytes = memory
     loads = [trainer]
     engines = 0
-    if cfg.rollout.backend.value == "vllm":
+    if colocated(cfg, device):  # engine i on rank i's GPU: the shared GPUs, then any rank alone
+        util = cfg.rollout.engine_args.get("gpu_memory_utilization")
+        if util is None and memory is not None:
+            util = colocated_gpu_memory_utilization(trainer, memory)
+        engine = engine_load(cfg, shape, device, memory, util)
+        trainer.count -= cfg.rollout.num_engines
+        trainer.role = "trainer rank (a GPU of its own: more ranks than engines)"
+        loads = [colocated_load(cfg, shape, trainer, engine, memory)] + ([trainer] if trainer.count else [])
+    elif cfg.rollout.backend.value == "vllm":
         engine = engine_load(cfg, shape, device, memory)
         loads.insert(0, engine)
         engines = cfg.rollout.num_engines * int(cfg.rollout.engine_args.get("tensor_parallel_size", 1))
@@ -333,7 +430,9 @@ def format_memory_plan(plan: MemoryPlan) -> str:
     if plan.device == "cpu":
         where = "per process (engines and ranks share the host's memory; no fit check on cpu)"
     else:
-        where = "split placement: engines and trainer ranks on separate devices; " + (
+        where = ("colocated placement: engine i shares trainer rank i's GPU and sleeps while the rank trains; "
+                 if any(load.phases for load in plan.loads) else
+                 "split placement: engines and trainer ranks on separate devices; ") + (
             f"{plan.memory_gib:g} GiB per device" if plan.memory_gib is not None else
             "memory per device unknown: set cluster.gpu_memory_gb to check the fit")
     lines = [where,
@@ -344,13 +443,16 @@ def format_memory_plan(plan: MemoryPlan) -> str:
         lines.append(f"devices needed: {plan.devices_needed}")
     for load in plan.loads:
         lines.append(f"{load.role}, each of {load.count}:")
-        for t in load.terms:
+        for name, terms in load.phases:
+            lines.append(f"  phase {name}: {_size(sum(t.bytes for t in terms))}")
+            lines += [f"    {t.label:<16} {_size(t.bytes):>11}  {t.detail}" for t in terms]
+        for t in [] if load.phases else load.terms:
             lines.append(f"  {t.label:<16} {_size(t.bytes):>11}  {t.detail}")
         verdict = ""
         if load.capacity_bytes is not None:
             fits = "fits" if load.total <= load.capacity_bytes else "DOES NOT FIT"
             verdict = f"  of {_size(load.capacity_bytes)}{load.capacity_detail}: {fits}"
-        lines.append(f"  {'total':<16} {_size(load.total):>11}{verdict}")
+        lines.append(f"  {'peak' if load.phases else 'total':<16} {_size(load.total):>11}{verdict}")
         lines += [f"  note: {n}" for n in load.notes]
     return "\n".join(lines)
 
@@ -363,7 +465,7 @@ def check_memory_plan(plan: MemoryPlan) -> None:
             continue
         big = load.biggest
         problems.append(f"each {load.role} needs {_size(load.total)} of {_size(load.capacity_bytes)}; the biggest "
-                        f"term is {big.label} ({_size(big.bytes)}): try {FIXES[big.key]}")
+                        f"term is {big.label} ({_size(big.bytes)}): try {FIXES[big.key]}{load.hint}")
     if problems:
         raise MemoryPlanError("The memory plan does not fit: " + "; ".join(problems) +
                               ". (Estimates: docs/training.md, Large models. To plan for another device size, "

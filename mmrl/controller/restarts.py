@@ -1,5 +1,6 @@
 """A trainer rank that dies (run.max_restarts): name it, restart the run from its newest complete
-checkpoint in the same process, or stop with the command that resumes it.
+checkpoint in the same process, or stop with the command that resumes it. A rollout engine that
+dies is replaced in place instead (EngineRestarts; rollout.max_actor_restarts): the run goes on.
 
 train() turns the Ray error of a dead rank into RankDied (rank_failure, before its actors are torn
 down); train_with_restarts() then calls train() again, which starts a new runtime and resumes
@@ -14,7 +15,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL: a temporary failure; rerunning the same command resumes
 PROBE_TIMEOUT_S = 60.0  # how long the ranks get to answer "alive?" after a Ray error
@@ -40,6 +41,42 @@ class RunStopped(RuntimeError):
     """A rank died and no restart is left: the message names the rank and the resume command."""
 
     exit_code = RESUME_EXIT_CODE
+
+
+class EngineRestarts:
+    """`on_engine_lost` of the run's RolloutWorkers: start a replacement for dead engine i, give
+    it the trainers' current weights (the version the engines run), return it ready. Bounded by
+    rollout.max_actor_restarts per run."""
+
+    def __init__(self, start_engine: Callable[[int], Any], max_restarts: int):
+        self.start_engine, self.max_restarts = start_engine, max_restarts
+        self.count = 0
+        self.runtime: Any = None  # the run's Runtime, set once it exists
+
+    def __call__(self, index: int, error: BaseException) -> Any:
+        import ray
+
+        from mmrl.rollout.workers import ActorRestartsExhausted
+
+        self.count += 1
+        if self.count > self.max_restarts:
+            raise ActorRestartsExhausted(
+                f"rollout engine {index} died ({type(error).__name__}); that is {self.count} engine deaths in "
+                f"this run, more than rollout.max_actor_restarts={self.max_restarts}. Look for the cause in the "
+                f"engine's log (Ray's logs/ folder: memory, a vLLM crash), then rerun the command to resume from "
+                f"the newest checkpoint, or raise rollout.max_actor_restarts")
+        rt = self.runtime
+        print(f"[mmrl] rollout engine {index} died ({type(error).__name__}); starting a replacement "
+              f"({self.count}/{self.max_restarts}); its requests wait for it or go to the other engines", flush=True)
+        t0 = time.time()
+        engine = self.start_engine(index)
+        ray.get(engine.ready.remote())
+        rt.sync_weights_to([engine], rt.weight_version)
+        if rt.monitor is not None:
+            rt.monitor.forget(index)
+        print(f"[mmrl] rollout engine {index} replaced in {time.time() - t0:.0f} s (weight version "
+              f"{rt.weight_version})", flush=True)
+        return engine
 
 
 def record_ranks(run_dir: Path, setups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

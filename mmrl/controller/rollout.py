@@ -20,6 +20,7 @@ from mmrl.data.sample import Sample
 from mmrl.processors import PromptRef
 from mmrl.rewards.streaming import RewardStream
 from mmrl.rollout.types import SamplingConfig, Trajectory
+from mmrl.rollout.workers import WorkerLost
 from mmrl.utils.timing import StepSpans
 
 
@@ -37,21 +38,39 @@ def run_rollout(workers: Any, samples: list[Sample], sampling: SamplingConfig, *
                 on_group: Callable[[int, Sample, list[Trajectory]], None] | None = None,
                 refill: Callable[[], Sample] | None = None,
                 on_failure: Callable[[BadSample], None] | None = None,
+                on_redo: Callable[[int], None] | None = None,
                 evaluation: bool = False) -> Rollout:
     """Roll out one group per sample. `on_group(slot, sample, group)` is called as each group
     finishes; a refused sample is reported to `on_failure` and, with `refill`, replaced by
     `refill()` in the same slot (without: its slot is dropped from the result). `evaluation`:
-    prompts cached in the workers, no trainer inputs (`Rollout.prompts` are None)."""
+    prompts cached in the workers, no trainer inputs (`Rollout.prompts` are None).
+
+    A rollout worker that dies costs nothing but time: its unfinished groups are resubmitted, and
+    so are its finished ones (their prompts died with it; `on_redo(slot)` is told first), in the
+    same slots with the same seeds. Dead engines are replaced while this waits (`workers.wait`)."""
     samples = list(samples)
     pending = {workers.submit(s, slot, sampling, evaluation): slot for slot, s in enumerate(samples)}
     prompts: list[PromptRef | None] = [None] * len(samples)
     groups: list[list[Trajectory] | None] = [None] * len(samples)
+    made_by: dict[int, Any] = {}  # slot -> its outcome, while it may still be lost with its worker
     failures: list[BadSample] = []
+
+    def redo_lost_outcomes() -> None:
+        for lost in [s for s, o in made_by.items() if workers.outcome_lost(o)]:
+            del made_by[lost]
+            prompts[lost] = groups[lost] = None
+            if on_redo is not None:
+                on_redo(lost)
+            pending[workers.submit(samples[lost], lost, sampling, evaluation)] = lost
+
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        for ref in ready:
+        for ref in workers.wait(list(pending), num_returns=1):
             slot = pending.pop(ref)
-            out = workers.take(ref)
+            try:
+                out = workers.take(ref)
+            except WorkerLost:
+                pending[workers.submit(samples[slot], slot, sampling, evaluation)] = slot
+                continue
             if out.failure is not None:
                 failures.append(out.failure)
                 if on_failure is not None:
@@ -61,8 +80,13 @@ def run_rollout(workers: Any, samples: list[Sample], sampling: SamplingConfig, *
                     pending[workers.submit(samples[slot], slot, sampling, evaluation)] = slot
                 continue
             prompts[slot], groups[slot] = out.prompt, out.trajectories
+            if not evaluation:  # evaluation outcomes hold nothing in the worker's object store
+                made_by[slot] = out
             if on_group is not None:
                 on_group(slot, samples[slot], out.trajectories)
+        redo_lost_outcomes()
+        if not pending and workers.replace_dead(timeout=0):  # a death that showed only now
+            redo_lost_outcomes()
     kept = [i for i, g in enumerate(groups) if g is not None]
     return Rollout(samples=[samples[i] for i in kept], prompts=[prompts[i] for i in kept],  # type: ignore[misc]
                    groups=[groups[i] for i in kept], failures=failures)  # type: ignore[misc]
@@ -74,6 +98,10 @@ class EngineMonitor:
     def __init__(self, engines: list[Any]):
         self.engines = engines
         self._last: list[dict[str, float]] = [{} for _ in engines]
+
+    def forget(self, index: int) -> None:
+        """Engine `index` was replaced: its counters start again from zero."""
+        self._last[index] = {}
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -108,7 +136,7 @@ def rollout_and_score_groups(rt: Any, samples: list[Sample], spans: StepSpans, *
     t_rollout = time.time()
     with spans("rollout"):
         rollout = run_rollout(rt.workers, samples, rt.sampling, on_group=on_group, refill=refill,
-                              on_failure=on_failure)
+                              on_failure=on_failure, on_redo=stream.withdraw)
     for engine, windows in enumerate(rt.workers.engine_windows(len(rt.engines))):
         for start, end in windows:
             spans.add(f"rollout/engine_{engine}", max(start, t_rollout), max(0.0, end - max(start, t_rollout)))

@@ -61,6 +61,12 @@ class RewardStream:
             raise RuntimeError(f"the group of prompt {index} was already submitted; its sample cannot change")
         self.samples[index] = sample
 
+    def withdraw(self, index: int) -> None:
+        """Forget the group submitted for slot `index` (it is being rolled out again); its score,
+        if it still comes, is ignored."""
+        self._handles.pop(index, None)
+        self._reported.pop(index, None)
+
     def submit(self, indices: Sequence[int], groups: Sequence[Sequence[Any]]) -> None:
         """Queue the final groups of prompts `indices` (positions in the step's batch)."""
         if len(indices) != len(groups):

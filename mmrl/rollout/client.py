@@ -14,6 +14,11 @@ group instead of per trajectory keeps the per-call cost of the actor hop off the
 An agent loop holds a `RolloutClient`: the router seen by one trajectory. A request that a weight
 update aborted (`rollout.partial=abort`) is resubmitted here with the tokens it already has as a
 prefix, so the loop sees one completion whose tokens carry the versions that sampled them.
+
+An engine actor that dies fails its requests with `EngineLost`; the client resubmits each one
+unchanged (same seed, same prefix) on a live engine, or waits until the driver has started a
+replacement with the current weights (`Router.replace_engine`). Under the same weights and seed
+the resubmitted request draws the same tokens the lost one would have.
 """
 from __future__ import annotations
 
@@ -25,6 +30,14 @@ from typing import Any, Sequence
 from mmrl.rollout.types import Completion, RequestSampling, SamplingConfig
 
 
+class EngineLost(RuntimeError):
+    """The engine actor a request went to died before answering."""
+
+    def __init__(self, engine: int, cause: BaseException):
+        super().__init__(f"rollout engine {engine} died: {type(cause).__name__}: {cause}")
+        self.engine = engine
+
+
 @dataclass
 class EngineLoad:
     """What the router knows about one engine (from its own requests)."""
@@ -34,6 +47,7 @@ class EngineLoad:
     requests: int = 0
     generated_tokens: int = 0
     resubmitted: int = 0
+    lost: int = 0  # requests that died with the engine and were resubmitted
     # (start, end) wall times of this router's requests: busy intervals for the trace
     windows: list[tuple[float, float]] = field(default_factory=list)
 
@@ -48,22 +62,53 @@ class _Batch:
 class Router:
     """Least-loaded, sticky routing of single requests over engine actors (see module docstring)."""
 
-    def __init__(self, engines: Sequence[Any], max_requests_per_engine: int = 256):
+    def __init__(self, engines: Sequence[Any], max_requests_per_engine: int = 256,
+                 replaces_engines: bool = False):
         self.engines = list(engines)
+        # True when someone (the run's driver) replaces dead engines: a request may then wait
+        # for one; otherwise a request whose engines are all dead fails
+        self.replaces_engines = replaces_engines
         self.load = [EngineLoad() for _ in self.engines]
         self._sticky: dict[str, int] = {}
         self._slots = [asyncio.Semaphore(max_requests_per_engine) for _ in self.engines]
         # (engine, id(prompt)) -> the batch being collected in this event-loop turn
         self._collecting: dict[tuple[int, int], _Batch] = {}
+        self._up = [asyncio.Event() for _ in self.engines]  # cleared while an engine is dead
+        for up in self._up:
+            up.set()
 
     def pick(self, key: str) -> int:
-        """The engine for trajectory `key`: its engine so far, else the least loaded."""
+        """The engine for trajectory `key`: its engine so far, else the least loaded live one."""
         if not self.engines:
             raise RuntimeError("this rollout has no engines to generate with (rollout.num_engines=0)")
         if key not in self._sticky:
-            self._sticky[key] = min(range(len(self.engines)),
-                                    key=lambda i: (self.load[i].in_flight_tokens, self.load[i].in_flight_requests, i))
+            live = [i for i in range(len(self.engines)) if self._up[i].is_set()] or list(range(len(self.engines)))
+            self._sticky[key] = min(live, key=lambda i: (self.load[i].in_flight_tokens,
+                                                         self.load[i].in_flight_requests, i))
         return self._sticky[key]
+
+    def engine_lost(self, engine: int, handle: Any) -> None:
+        """`handle` (engine `engine`) died; unless it was replaced already, route around it."""
+        if self.engines[engine] is handle:
+            self._up[engine].clear()
+
+    def replace_engine(self, engine: int, handle: Any) -> None:
+        """The driver started `handle` in place of a dead engine (with the current weights)."""
+        self.engines[engine] = handle
+        self._up[engine].set()
+
+    def any_engine_up(self) -> bool:
+        return any(up.is_set() for up in self._up)
+
+    async def until_an_engine_is_up(self) -> None:
+        if self.any_engine_up():
+            return
+        waits = [asyncio.ensure_future(up.wait()) for up in self._up]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     def release(self, key: str) -> None:
         """The trajectory is over: forget its engine."""
@@ -100,13 +145,19 @@ class Router:
         return future
 
     def _send(self, key: tuple[int, int]) -> None:
+        from ray.exceptions import RayActorError
+
         batch = self._collecting.pop(key)
-        call = self.engines[key[0]].generate_many.remote(batch.prompt, [s for s, _ in batch.items])
+        handle = self.engines[key[0]]
+        call = handle.generate_many.remote(batch.prompt, [s for s, _ in batch.items])
 
         async def deliver() -> None:
             try:
                 completions = await call
             except BaseException as e:  # the engine failed: every request of the batch fails with it
+                if isinstance(e, RayActorError):  # the actor died: the requests go elsewhere
+                    self.engine_lost(key[0], handle)
+                    e = EngineLost(key[0], e)
                 for _, future in batch.items:
                     if not future.done():
                         future.set_exception(e)
@@ -142,9 +193,18 @@ class RolloutClient:
         versions: list[int] = []
         text, attempt, current_prompt, current = "", 0, prompt, sampling
         while True:
+            if self.router.replaces_engines:
+                await self.router.until_an_engine_is_up()
             self.engine = self.router.pick(self.key)
             self.requests += 1
-            c = await self.router._request(self.engine, current_prompt, current)
+            try:
+                c = await self.router._request(self.engine, current_prompt, current)
+            except EngineLost:  # the same request again (same seed and prefix) on a live engine
+                self.router.load[self.engine].lost += 1
+                self.router.release(self.key)
+                if not (self.router.replaces_engines or self.router.any_engine_up()):
+                    raise
+                continue
             token_ids += c.token_ids
             logprobs += c.logprobs
             versions += c.token_versions

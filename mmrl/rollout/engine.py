@@ -124,6 +124,7 @@ class RolloutEngine:
         self.start_seconds = 0.0
         self._scheduler: dict[str, float] = {}
         self.counters = RequestCounters()
+        self._shut_down = asyncio.Event()  # ends watch() calls: a clean stop is not a death
 
     @classmethod
     def as_actor(cls, options: dict[str, Any], llm_kwargs: dict[str, Any], env: dict[str, str],
@@ -256,6 +257,56 @@ class RolloutEngine:
         self.counters.paused(seconds)
         return {"tensors": float(n), "apply_seconds": seconds, "frozen_requests": float(frozen)}
 
+    # ---- weight sync bucket by bucket (weight_sync.transport collective / cuda_ipc) -------------
+    # begin_weight_update -> receive_bucket(_ipc) per bucket -> finish_weight_update: the same
+    # pause / reset caches / new version / resume as apply_weights, but each bucket is loaded as
+    # it arrives, so nothing is staged (mmrl/weight_sync/collective.py).
+    async def weight_workers(self) -> list[dict[str, Any]]:
+        """Each vLLM worker's rank and GPU UUID (the weight-sync group has one member per worker)."""
+        return await self.llm.collective_rpc("mmrl_worker_info")
+
+    async def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
+                                timeout_s: float, name: str) -> list[int]:
+        return await self.llm.collective_rpc("mmrl_join_weight_group",
+                                             args=(host, port, first_rank, world_size, backend, timeout_s, name))
+
+    async def begin_weight_update(self) -> None:
+        """Pause (as `partial`/`recompute_kv` say) and open the workers' reload sessions."""
+        self._update_started = time.time()
+        self._update_frozen = len(self.counters.in_flight)
+        await self.llm.pause_generation(mode=self.partial, clear_cache=self.recompute_kv)
+        try:
+            await self.llm.collective_rpc("mmrl_begin_update")
+        except BaseException:
+            await self.llm.resume_generation()
+            raise
+
+    async def receive_bucket(self, header: str) -> int:
+        return (await self.llm.collective_rpc("mmrl_receive_bucket", args=(header,)))[0]
+
+    async def receive_bucket_ipc(self, header: str, handle: bytes) -> int:
+        return (await self.llm.collective_rpc("mmrl_receive_bucket_ipc", args=(header, handle)))[0]
+
+    async def finish_weight_update(self, version: int | None) -> dict[str, float]:
+        """Close the sessions, reset the caches, set `version` (None: an aborted update keeps the
+        old number), resume. Returns the pause length and the most the workers staged at once."""
+        try:
+            done = await self.llm.collective_rpc("mmrl_finish_update")
+            await self.llm.reset_encoder_cache()  # see apply_weights
+            await self.llm.reset_mm_cache()
+            await self.llm.reset_prefix_cache()
+            if version is not None:
+                self.weight_version = version
+                await self.llm.update_weight_version(str(version))
+        finally:
+            await self.llm.resume_generation()
+        seconds = time.time() - getattr(self, "_update_started", time.time())  # no start: a failed begin
+        self.counters.paused(seconds)
+        return {"apply_seconds": seconds, "frozen_requests": float(getattr(self, "_update_frozen", 0)),
+                "tensors": max(d.get("tensors", 0.0) for d in done),
+                "peak_staged_bytes": max(d.get("peak_staged_bytes", 0.0) for d in done),
+                "staged_tensors": max(d["staged_tensors"] for d in done)}
+
     async def pause(self) -> None:
         """Freeze generation (tests and controllers that want a stable point)."""
         await self.llm.pause_generation(mode=self.partial, clear_cache=self.recompute_kv)
@@ -269,10 +320,33 @@ class RolloutEngine:
     def get_weight_version(self) -> int:
         return self.weight_version
 
+    async def watch(self) -> None:
+        """Returns only when the engine shuts down. The driver keeps one call open per engine: if
+        the actor dies, the call fails at once, which is how a dead engine is noticed while the
+        driver waits on rollouts (mmrl/rollout/workers.py, RolloutWorkers.wait)."""
+        await self._shut_down.wait()
+
     async def shutdown(self) -> None:
         """Stop the engine core process cleanly: killing the actor outright leaves vLLM's
         shared-memory ring buffers (hundreds of MB in /dev/shm) behind."""
+        self._shut_down.set()
         if self.llm is not None:
             llm, self.llm = self.llm, None
             await asyncio.get_running_loop().run_in_executor(None, lambda: llm.shutdown(timeout=SHUTDOWN_GRACE_S))
 
+
+    # ---- colocated mode (cluster.colocate; mmrl/controller/colocate.py) --------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM sleep mode (engine arg enable_sleep_mode, CUDA only): level 1 moves the weights to
+        host memory and frees the KV cache, so the trainer rank on this GPU can use it. Called
+        between a sync step's rollout and update, when no request is in flight; one that were
+        would be aborted (mode="abort")."""
+        await self.llm.sleep(level, mode="abort")
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Back on the GPU: `tags` ["weights"], then ["kv_cache"] (None: all). Returns whether
+        the engine is fully awake (vLLM resumes scheduling only then)."""
+        return await self.llm.wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self.llm.is_sleeping()

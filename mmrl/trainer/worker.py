@@ -57,6 +57,9 @@ class TrainerSpec:
     freeze_vision_tower: bool = False
     freeze_projector: bool = False
     gradient_checkpointing: bool = False
+    # cluster.colocate: the rank's GPU is shared with an engine, which wakes up once the update is
+    # over: the allocator's cached blocks (activations, logits) go back to the GPU after each update
+    release_cache_after_update: bool = False
 
 
 class TrainerWorker:
@@ -282,6 +285,8 @@ class TrainerWorker:
                 norm = float(norm) if norm is not None else float("nan")
                 grad_norms.append(norm)
                 skipped += 0 if np.isfinite(norm) else 1
+        if spec.release_cache_after_update and torch.cuda.is_available():
+            torch.cuda.empty_cache()
         return {**sums, "max_abs_logprob_diff": max_diff, "max_mismatch_ratio": max_ratio,
                 "min_mismatch_ratio": min_ratio, "grad_norms": grad_norms, "skipped_updates": skipped,
                 "updates": inputs.num_updates, "train_s": time.time() - t0}
@@ -316,33 +321,77 @@ class TrainerWorker:
         np.random.set_state(rng["numpy"])
 
     # ---- weight sync ------------------------------------------------------------------------------
-    def sync_weights(self, engines: Sequence[Any], version: int, bucket_mb: float) -> dict[str, float]:
+    def sync_weights(self, engines: Sequence[Any], version: int, bucket_mb: float, transport: str = "object_store",
+                     timeout_s: float = 600.0) -> dict[str, float]:
         """Gather ZeRO-3 shards bucket by bucket (never the whole model at once) and push each
-        bucket to every rollout engine; rank 0 sends, all ranks take part in the gathers."""
+        bucket to every rollout engine through `transport` (weight_sync.transport:
+        mmrl/weight_sync/transport.py); rank 0 sends, all ranks take part in the gathers."""
         import deepspeed
-        from safetensors.torch import save as save_safetensors
 
         from mmrl.weight_sync.gather import buckets, weight_units
 
         t0 = time.time()
-        pending = []
+        sender = self._weight_sender(engines, transport, timeout_s) if self.rank == 0 else None
         sent_bytes, n_buckets = 0, 0
-        for bucket in buckets(weight_units(self.engine.module), bucket_mb):
-            n_buckets += 1
-            with deepspeed.zero.GatheredParameters([p for u in bucket for p in u.params], modifier_rank=None):
-                if self.rank == 0:
-                    payload = save_safetensors({self.adapter.engine_weight_name(n): t
-                                                for u in bucket for n, t in u.tensors().items()})
-                    sent_bytes += len(payload)
-                    ref = ray.put(payload)
-                    pending += [e.stage_weights.remote(ref) for e in engines]
+        try:
+            for bucket in buckets(weight_units(self.engine.module), bucket_mb):
+                n_buckets += 1
+                with deepspeed.zero.GatheredParameters([p for u in bucket for p in u.params], modifier_rank=None):
+                    if sender is not None:
+                        sent_bytes += sender.send({self.adapter.engine_weight_name(n): t for u in bucket
+                                                   for n, t in u.tensors(sender.device).items()})
+        except BaseException:
+            if sender is not None:
+                self._drop_weight_link()  # a broadcast may have broken off half way: form a new group next time
+                try:
+                    sender.abort()  # the engines resume generation
+                except Exception as e:  # the original error is the one to see
+                    print(f"[mmrl] weight sync: engines did not resume cleanly after the failure: {e!r}")
+            raise
         result = {"buckets": float(n_buckets), "mb": sent_bytes / 2**20}
-        if self.rank == 0:
-            ray.get(pending)
-            applied = ray.get([e.apply_weights.remote(version) for e in engines])
-            result["apply_s"] = max(a["apply_seconds"] for a in applied)
+        if sender is not None:
+            result.update(sender.finish(version))
         result["sync_s"] = time.time() - t0
         return result
+
+    def _weight_sender(self, engines: Sequence[Any], transport: str, timeout_s: float) -> Any:
+        """Rank 0's sender for this sync. The collective transport's group with the engines is
+        formed on first use and kept while the engines stay the same actors."""
+        from mmrl.weight_sync import transport as transports
+
+        workers: list[list[dict[str, Any]]] | None = None  # each engine's vLLM workers: rank, GPU
+        engine_gpus: list[list[str | None]] = []
+        sender_gpu = None
+        if self.spec.device == "cuda" and transport != transports.OBJECT_STORE:
+            from mmrl.weight_sync.cuda_ipc import gpu_uuid
+
+            sender_gpu = gpu_uuid()
+            workers = ray.get([e.weight_workers.remote() for e in engines])
+            engine_gpus = [[w["gpu"] for w in ws] for ws in workers]
+        kind, backend = transports.resolve(transport, self.spec.device, engine_gpus, sender_gpu)
+        if kind == transports.OBJECT_STORE:
+            from mmrl.weight_sync.object_store import ObjectStoreSender
+
+            return ObjectStoreSender(engines)
+        if kind == transports.CUDA_IPC:
+            from mmrl.weight_sync.cuda_ipc import CudaIpcSender
+
+            return CudaIpcSender(engines, timeout_s)
+        from mmrl.weight_sync.collective import CollectiveLink, CollectiveSender, engine_ids
+
+        link = getattr(self, "_weight_link", None)
+        if link is None or link.engines != engine_ids(engines) or link.backend != backend:
+            self._drop_weight_link()
+            counts = [len(ws) for ws in workers or ray.get([e.weight_workers.remote() for e in engines])]
+            # the node's address, not the ranks' rendezvous address: engines may run on other nodes
+            link = self._weight_link = CollectiveLink.connect(engines, counts, backend,
+                                                              ray.util.get_node_ip_address(), timeout_s)
+        return CollectiveSender(link, engines, timeout_s)
+
+    def _drop_weight_link(self) -> None:
+        link, self._weight_link = getattr(self, "_weight_link", None), None
+        if link is not None:
+            link.close()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The gathered weights on rank 0 under HF checkpoint names (LoRA merged); collective."""
@@ -443,9 +492,12 @@ def leave_process_group() -> None:
             dist.destroy_process_group()
 
 
-def make_trainer_actors(spec: TrainerSpec, options: dict[str, Any]) -> list[Any]:
+def make_trainer_actors(spec: TrainerSpec, options: dict[str, Any] | Sequence[dict[str, Any]]) -> list[Any]:
+    """The rank actors; `options`: one Ray option set for every rank, or one per rank (each rank
+    its own placement-group bundle)."""
     actor_cls = ray.remote(TrainerWorker)
-    return [actor_cls.options(**options).remote(rank, spec) for rank in range(spec.world_size)]
+    per_rank = [options] * spec.world_size if isinstance(options, dict) else list(options)
+    return [actor_cls.options(**per_rank[rank]).remote(rank, spec) for rank in range(spec.world_size)]
 
 
 def setup_ranks(ranks: Sequence[Any]) -> tuple[list[Any], Any]:

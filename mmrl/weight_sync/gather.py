@@ -36,15 +36,15 @@ class WeightUnit:
         # ZeRO-3 partitions parameters: numel() is 0 on a rank, ds_numel is the full size
         return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in self.params)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Full tensors (call inside GatheredParameters)."""
+    def tensors(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """Full tensors on `device` (call inside GatheredParameters)."""
         if self.lora_scaling is None:
-            return {self.name: self.params[0].data.detach().to("cpu").contiguous()}
+            return {self.name: self.params[0].data.detach().to(device).contiguous()}
         weight, lora_a, lora_b, *bias = self.params
         merged = weight.data.float() + self.lora_scaling * (lora_b.data.float() @ lora_a.data.float())
-        out = {self.name: merged.to(weight.dtype).to("cpu").contiguous()}
+        out = {self.name: merged.to(weight.dtype).to(device).contiguous()}
         if bias:
-            out[self.name[:-len("weight")] + "bias"] = bias[0].data.detach().to("cpu").contiguous()
+            out[self.name[:-len("weight")] + "bias"] = bias[0].data.detach().to(device).contiguous()
         return out
 
 
