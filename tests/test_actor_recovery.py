@@ -82,6 +82,8 @@ def _kill_and_wait(actor: Any) -> None:
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=30)
             return False
+        except ray.exceptions.GetTimeoutError:  # no answer yet: ask again
+            return False
         except ray.exceptions.RayActorError:
             return True
 
