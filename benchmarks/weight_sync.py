@@ -1,7 +1,7 @@
 """How long does a weight sync take, against a plain memory copy of the same bytes?
 
     .venv/bin/python benchmarks/weight_sync.py [--hidden-size 1024] [--num-layers 6] [--steps 6] \
-        [--world-sizes 1 2] [--bucket-mb 64]
+        [--world-sizes 1 2] [--bucket-mb 64] [--transports object_store collective]
 
 Builds a random Qwen2.5-VL of ~50 M parameters with the tiny-model kit (`work/bench-vlm-<h>x<l>`,
 once), then runs the real `mmrl train configs/colors_demo.yaml` on it for a few steps per trainer
@@ -12,6 +12,8 @@ store, the engine's load) and `weight_sync/apply_s` (the engine's load alone). T
 measured in this process in the same run: `dst.copy_(src)` of a buffer of the same bytes, the
 median of 20 copies. Prints the medians (the first step is left out: it pays one-off costs) and
 the ratios, and writes benchmarks/results/weight_sync.json. Goal (issue 15): sync <= 3x the copy.
+With several `--transports` (weight_sync.transport) each is run and reported side by side, with
+`weight_sync/engine_peak_staged_mb` (the most an engine held staged at once).
 """
 from __future__ import annotations
 
@@ -73,8 +75,9 @@ def copy_seconds(nbytes: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def train(model: Path, data: Path, world_size: int, steps: int, bucket_mb: float, out: Path) -> list[dict]:
-    run_dir = out / f"ws{world_size}"
+def train(model: Path, data: Path, world_size: int, steps: int, bucket_mb: float, out: Path,
+          transport: str = "object_store") -> list[dict]:
+    run_dir = out / f"ws{world_size}-{transport}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / "colors_demo.yaml"),
            f"model.path={model}", f"data.train_shards={data}/train-{{000000..000003}}.tar",
@@ -82,6 +85,7 @@ def train(model: Path, data: Path, world_size: int, steps: int, bucket_mb: float
            f"run.max_steps={steps}", "run.time_limit_s=1800", f"trainer.world_size={world_size}",
            "rollout.prompts_per_step=2", "rollout.group_size=2", "eval.every_steps=0",
            "checkpoint.every_steps=0", "stability.enabled=false", f"weight_sync.bucket_mb={bucket_mb}",
+           f"weight_sync.transport={transport}",
            "logging.progress_bar=false", "logging.tensorboard=false"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0:
@@ -97,6 +101,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--transports", nargs="+", default=["object_store"], choices=["object_store", "collective"])
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args()
     model, params = ensure_model(args.hidden_size, args.num_layers)
@@ -106,20 +111,23 @@ def main() -> None:
     runs.mkdir(parents=True, exist_ok=True)
     print(f"model: {model.relative_to(REPO)}, {params / 1e6:.1f} M parameters")
     results = []
-    for ws in args.world_sizes:
-        steps = train(model, data, ws, args.steps, args.bucket_mb, runs)[1:]  # step 1 pays one-off costs
-        mb = steps[-1]["weight_sync/mb"]
-        copy_s = copy_seconds(int(mb * 2**20))  # measured right after the run, in the same process
-        sync_s = statistics.median(r["time/weight_sync_s"] for r in steps)
-        apply_s = statistics.median(r["weight_sync/apply_s"] for r in steps)
-        row = {"world_size": ws, "mb": mb, "buckets": steps[-1]["weight_sync/buckets"], "steps": len(steps),
-               "sync_s": sync_s, "apply_s": apply_s, "gather_send_s": sync_s - apply_s, "copy_s": copy_s,
-               "sync_over_copy": sync_s / copy_s, "apply_over_copy": apply_s / copy_s}
-        results.append(row)
-        print(f"world size {ws}: {mb:.0f} MB in {row['buckets']:.0f} buckets; sync {sync_s:.3f} s "
-              f"(engine load {apply_s:.3f} s, gather+serialise+send {sync_s - apply_s:.3f} s); "
-              f"plain copy {copy_s * 1e3:.1f} ms; sync / copy = {row['sync_over_copy']:.0f}x "
-              f"(goal <= 3x); engine load / copy = {row['apply_over_copy']:.0f}x", flush=True)
+    for transport in args.transports:
+        for ws in args.world_sizes:
+            steps = train(model, data, ws, args.steps, args.bucket_mb, runs, transport)[1:]  # step 1: one-off costs
+            mb = steps[-1]["weight_sync/mb"]
+            copy_s = copy_seconds(int(mb * 2**20))  # measured right after the run, in the same process
+            sync_s = statistics.median(r["time/weight_sync_s"] for r in steps)
+            apply_s = statistics.median(r["weight_sync/apply_s"] for r in steps)
+            staged = max(r.get("weight_sync/engine_peak_staged_mb", float("nan")) for r in steps)
+            row = {"transport": transport, "world_size": ws, "mb": mb, "buckets": steps[-1]["weight_sync/buckets"],
+                   "steps": len(steps), "sync_s": sync_s, "apply_s": apply_s, "gather_send_s": sync_s - apply_s,
+                   "copy_s": copy_s, "sync_over_copy": sync_s / copy_s, "apply_over_copy": apply_s / copy_s,
+                   "engine_peak_staged_mb": staged}
+            results.append(row)
+            print(f"{transport}, world size {ws}: {mb:.0f} MB in {row['buckets']:.0f} buckets; sync {sync_s:.3f} s "
+                  f"(engine paused/loading {apply_s:.3f} s); engine staged at most {staged:.1f} MB; "
+                  f"plain copy {copy_s * 1e3:.1f} ms; sync / copy = {row['sync_over_copy']:.0f}x "
+                  f"(goal <= 3x)", flush=True)
     (out / "weight_sync.json").write_text(json.dumps(
         {"model": str(model.relative_to(REPO)), "parameters": params, "bucket_mb": args.bucket_mb,
          "command": "benchmarks/weight_sync.py " + " ".join(sys.argv[1:]), "results": results}, indent=1))

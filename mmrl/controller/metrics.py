@@ -78,4 +78,6 @@ def weight_sync_metrics(sync: dict[str, float]) -> dict[str, float]:
     out = {"weight_sync/mb": sync["mb"]}
     if "apply_s" in sync:
         out.update({"weight_sync/apply_s": sync["apply_s"], "weight_sync/buckets": sync["buckets"]})
+    if "engine_peak_staged_mb" in sync:  # the most an engine held staged at once (weight_sync.transport)
+        out["weight_sync/engine_peak_staged_mb"] = sync["engine_peak_staged_mb"]
     return out
