@@ -65,13 +65,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mmrl.rollout.workers import ActorRestartsExhausted
 
     # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the engines shut down cleanly and
-    # release their shared memory.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # release their shared memory. Only while the run lasts: a caller of main() in its own process
+    # (a notebook, a test) gets its handler back.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:  # a trainer rank that dies: restarted from the newest checkpoint (run.max_restarts), then this
         summary = train_with_restarts(cfg, command=shlex.join(["mmrl", "train", args.config, *args.overrides]))
     except (RunStopped, ActorRestartsExhausted) as e:
         print(f"mmrl: error: {e}", file=sys.stderr)
         return e.exit_code
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     curve = summary.pop("heldout_curve", [])
     print("held-out accuracy by step: " + ", ".join(f"{s}:{a:.3f}" for s, a, _ in curve))
     print(json.dumps(summary, indent=2, default=str))
@@ -430,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profile_data)
 
     p = sub.add_parser("tiny-model", help="build a tiny random VLM (tokenizer + processor) locally")
-    p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "internvl"])
+    p.add_argument("--arch", default="qwen2_5_vl",
+                   choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "internvl"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -21,6 +21,11 @@ from mmrl.registry import register
 
 # Processor outputs the trainer forward needs besides the token ids.
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+# Qwen3-VL and its MoE variant share the processor, the vision tower and the positions rule.
+QWEN3_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# Qwen3-VL-MoE's fused expert weights: released checkpoints (and vLLM) hold them as (E, in, out),
+# transformers 5 as (E, out, in); it transposes them when it loads but saves its own layout.
+MOE_EXPERT_WEIGHTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
@@ -32,6 +37,8 @@ def _inner_model_class(model_type: str) -> type:
         from transformers import Qwen2_5_VLModel as cls
     elif model_type == "qwen3_vl":
         from transformers import Qwen3VLModel as cls
+    elif model_type == "qwen3_vl_moe":  # the same vision side and positions, MoE text layers
+        from transformers import Qwen3VLMoeModel as cls
     else:
         raise ValueError(f"qwen_vl processor does not support model_type {model_type!r}")
     return cls
@@ -70,7 +77,7 @@ class _RopeIndex:
 
     def __call__(self, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, **mm: Any) -> torch.Tensor:
         """(3, P) positions for one prompt (batch of 1)."""
-        if self.model_type == "qwen3_vl":
+        if self.model_type in QWEN3_TYPES:
             kwargs = {k: v for k, v in mm.items() if k in self.accepts}
             return self._cls.get_rope_index(self, input_ids=input_ids, mm_token_type_ids=mm_token_type_ids,
                                             attention_mask=None, **kwargs)[0][:, 0]
@@ -107,7 +114,7 @@ def qwen_media_limits(model_type: str) -> MediaLimits:
     an image or frame whose aspect ratio is above 200 (ValueError), and for Qwen3-VL a video of
     fewer frames than its temporal patch (2). Tiny images are not refused: they are upscaled to
     the minimum pixel budget. tests/test_processor.py pins these numbers to the real processor."""
-    return MediaLimits(max_aspect_ratio=200.0, min_video_frames=2 if model_type == "qwen3_vl" else 1,
+    return MediaLimits(max_aspect_ratio=200.0, min_video_frames=2 if model_type in QWEN3_TYPES else 1,
                        owner=f"the qwen_vl processor ({model_type})")
 
 
@@ -115,7 +122,7 @@ def qwen_media_limits(model_type: str) -> MediaLimits:
 class QwenVLProcessor(ProcessorAdapter):
     """Adapter for the Qwen-VL families: image, multi-image, video and mixed prompts."""
 
-    model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    model_types = ("qwen2_vl", "qwen2_5_vl", *QWEN3_TYPES)
 
     @staticmethod
     def dummy_vision_output(model: Any) -> torch.Tensor:
@@ -127,6 +134,40 @@ class QwenVLProcessor(ProcessorAdapter):
         pixels = torch.zeros(int(grid_thw.prod()), patch_dim, dtype=next(model.parameters()).dtype)
         out = model.get_image_features(pixel_values=pixels, image_grid_thw=grid_thw)
         return sum(t.float().sum() for t in float_tensors(out))
+
+    @staticmethod
+    def engine_weight_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Qwen3-VL-MoE experts in the released layout (E, in, out), which vLLM loads (of the
+        families here only Qwen3-VL-MoE has fused expert weights)."""
+        if name.endswith(MOE_EXPERT_WEIGHTS):
+            return tensor.transpose(1, 2).contiguous()
+        return tensor
+
+    @staticmethod
+    def finish_saved_model(folder: Any) -> None:
+        """Qwen3-VL-MoE: rewrite the fused experts transformers saved as (E, out, in) in the
+        released layout (E, in, out) that vLLM loads; transformers loads both (it transposes on
+        load when the shape says so, so the tiny models keep in != out)."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file, save_file
+
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        if config.get("model_type") != "qwen3_vl_moe":
+            return
+        text = config["text_config"]
+        gate_up_out = 2 * text["moe_intermediate_size"]  # transformers' dim 1 of gate_up_proj
+        if gate_up_out == text["hidden_size"] or text["moe_intermediate_size"] == text["hidden_size"]:
+            raise ValueError("qwen3_vl_moe with square expert weights: the layouts cannot be told apart")
+        for path in sorted(folder.glob("model*.safetensors")):
+            state = load_file(str(path))
+            hf_layout = [k for k, v in state.items() if k.endswith(MOE_EXPERT_WEIGHTS) and v.shape[1] ==
+                         (gate_up_out if k.endswith("gate_up_proj") else text["hidden_size"])]
+            if hf_layout:
+                state.update({k: state[k].transpose(1, 2).contiguous() for k in hf_layout})
+                save_file(state, str(path), metadata={"format": "pt"})
 
     def __init__(self, model_path: str, *, min_pixels: int | None = None, max_pixels: int | None = None,
                  max_prompt_tokens: int = 1024, trust_remote_code: bool = False):

@@ -150,3 +150,29 @@ def test_vllm_lora_without_the_vllm_sampler_is_refused_at_load() -> None:
     with pytest.raises(ConfigError, match=r"'serve.vllm_lora'.*serve.sampler=vllm"):
         load_config(DEMO, ["serve.vllm_lora=true", "serve.sampler=trainer"], check_files=False)
     assert load_config(DEMO, ["serve.vllm_lora=true"], check_files=False).serve.vllm_lora
+
+
+def test_routing_replay_is_checked_against_the_backend_and_the_model(tmp_path) -> None:
+    import json
+
+    import pytest
+
+    from mmrl.config.load import ConfigError, load_config
+
+    def load(*overrides: str, check_files: bool = False):
+        return load_config(None, list(overrides), check_files=check_files, check_plugins=False)
+
+    assert load().algorithm.routing_replay.value == "off"
+    with pytest.raises(ConfigError, match="rollout"):  # the allowed values are listed
+        load("algorithm.routing_replay=always")
+    with pytest.raises(ConfigError, match="rollout.backend=trainer"):
+        load("algorithm.routing_replay=rollout", "rollout.backend=trainer")
+    from mmrl.config.load import _check_routing_replay
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    for folder, text in ((dense, {"hidden_size": 128}), (moe, {"num_experts": 4, "num_experts_per_tok": 2})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe", "text_config": text}))
+    with pytest.raises(ConfigError, match="not a mixture-of-experts"):
+        _check_routing_replay(load("algorithm.routing_replay=rollout", f"model.path={dense}"), check_files=True)
+    _check_routing_replay(load("algorithm.routing_replay=rollout", f"model.path={moe}"), check_files=True)

@@ -17,7 +17,7 @@ from mmrl.processors.base import PromptRejected
 from mmrl.trainer.batch import TrainSequence, collate, sampling_logprobs
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_explicit_positions_match_the_models_own(arch: str, tmp_path: Path, colors_samples: list) -> None:
     """Image, multi-image, video and mixed prompts, batched with padding, against each
     sequence alone with the model computing its own M-RoPE positions. (Qwen2/2.5-VL video
@@ -34,7 +34,7 @@ def test_explicit_positions_match_the_models_own(arch: str, tmp_path: Path, colo
         ours = model(**mb.model_inputs()).logits
     # reference: each sequence alone, unpadded, positions computed by the model from mm_token_type_ids
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        if arch != "qwen3_vl" and samples[i].videos:
+        if not arch.startswith("qwen3_vl") and samples[i].videos:
             continue
         ids = torch.tensor([p.prompt_ids + r])
         types = torch.tensor([[1 if t == proc.image_token_id else 2 if t == proc.video_token_id else 0
@@ -160,8 +160,8 @@ def test_auto_picks_the_adapter_that_declares_the_model_type(monkeypatch: pytest
     from mmrl.plugins.processors.qwen_vl import QwenVLProcessor
     from mmrl.processors.base import families
 
-    assert families() == {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl", "llava": "llava",
-                          "internvl": "internvl"}
+    assert families() == {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl", "qwen3_vl_moe": "qwen_vl",
+                          "llava": "llava", "internvl": "internvl"}
     table = registry._REGISTRY["processor"]
     quiet = type("WithASystemPrompt", (QwenVLProcessor,), {})
     monkeypatch.setitem(table, "a_system_prompt", registry.Entry("processor", "a_system_prompt", quiet, "test"))

@@ -334,6 +334,9 @@ def test_a_gui_click_training_run_logs_rollouts_the_browser_shows(tiny_model_dir
     gui_click.build(str(data), train_size=32, heldout_size=4, shard_size=32, seed=0)
     args = json.dumps({"tools": [{"name": "gui", "args": {"grid": gui_click.GRID}}], "max_turns": 2,
                        "parser": f"{repo}/tests/_tool_plugins.py:click_top_left", "max_total_tokens": 128})
+    import signal
+
+    sigterm_before = signal.getsignal(signal.SIGTERM)
     code = main(["train", str(repo / "configs" / "colors_demo.yaml"), f"model.path={tiny_model_dir}",
                  f"data.train_shards={data}/train-000000.tar", f"data.heldout_shards={data}/heldout-000000.tar",
                  f"run.output_dir={run_dir}", "run.max_steps=2", "run.time_limit_s=null", "checkpoint.every_steps=0",
@@ -344,6 +347,9 @@ def test_a_gui_click_training_run_logs_rollouts_the_browser_shows(tiny_model_dir
                  "processor.max_pixels=12544", "eval.every_steps=0", "stability.enabled=false",
                  "logging.rollouts_every=1", "logging.tensorboard=false", "logging.progress_bar=false"])
     assert code == 0
+    # main() in a caller's process leaves its SIGTERM handler as it found it (a suite that ran it
+    # used to exit silently at the next SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) == sigterm_before
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "agent/tool_calls" in r]
     # two turns: a click (the menu opens, its screenshot comes back), then the last turn

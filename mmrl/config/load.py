@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
 import typing
 from enum import Enum
+from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -363,8 +365,26 @@ def _check_colocate(cfg: Config) -> None:
                           f"derive it from the memory plan.")
 
 
+def _check_routing_replay(cfg: Config, check_files: bool) -> None:
+    if cfg.algorithm.routing_replay.value != "rollout":
+        return
+    if cfg.rollout.backend.value == "trainer":
+        raise ConfigError("Config key 'algorithm.routing_replay' is 'rollout' with rollout.backend=trainer: routing "
+                          "replay replays the vLLM engine's routing, which the trainer sampler has none of. Use "
+                          "rollout.backend=vllm, or algorithm.routing_replay=off.")
+    config = Path(cfg.model.path) / "config.json"
+    if check_files and config.is_file():
+        data = json.loads(config.read_text())
+        text = data.get("text_config", data)
+        if not (text.get("num_experts") or text.get("num_local_experts")):
+            raise ConfigError(f"Config key 'algorithm.routing_replay' is 'rollout' but model.path={cfg.model.path} "
+                              f"is not a mixture-of-experts model (model_type {data.get('model_type')!r}): there is "
+                              f"no routing to replay. Set algorithm.routing_replay=off.")
+
+
 def validate(cfg: Config, *, check_files: bool = True, check_plugins: bool = True) -> None:
     _check_positive(cfg)
+    _check_routing_replay(cfg, check_files)
     _check_weight_sync(cfg)
     _check_placement(cfg)
     _check_colocate(cfg)

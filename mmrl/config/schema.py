@@ -305,6 +305,14 @@ class EntropyScheduleConfig:
     end_coef: float = 0.0
 
 
+class RoutingReplay(str, Enum):
+    # MoE models (trainer/routing_replay.py): the engine records the experts it routed every
+    # sampled token to; "rollout" (R3) makes the trainer's forwards use them, gate weights from
+    # the trainer's own router; "off" routes on the trainer and only measures the agreement.
+    off = "off"
+    rollout = "rollout"
+
+
 class OldLogprobs(str, Enum):
     # recompute pi_old on the trainer when it differs from the policy the update starts from:
     # several updates per batch. In an async run pi_old is the proximal policy of the decoupled
@@ -339,6 +347,7 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    routing_replay: RoutingReplay = RoutingReplay.off
 
 
 @dataclass

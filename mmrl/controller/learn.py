@@ -41,7 +41,7 @@ def needs_reference(cfg: Config) -> bool:
 
 def make_sequences(prompts: Sequence[ProcessedPrompt | PromptRef], groups: Sequence[Sequence[Trajectory]]) -> list[TrainSequence]:
     seqs = [TrainSequence.from_prompt(t.prompt_ref or prompts[i], t.response_ids, t.behaviour_logprobs, t.loss_mask,
-                                      response_ref=t.response_inputs)
+                                      response_ref=t.response_inputs, routed_experts=t.routed_experts)
             for i, group in enumerate(groups) for t in group]
     for uid, seq in enumerate(seqs):
         seq.uid = uid
@@ -82,7 +82,13 @@ def merge_rank_stats(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     norms = list(per_rank[0]["grad_norms"])
     finite = [n for n in norms if np.isfinite(n)]
     updates = max(per_rank[0]["updates"], 1)
+    # MoE models with the engine's routing recorded: the share of (sampled token, MoE layer)
+    # pairs where the trainer's own router picks the engine's top-k set (with or without replay)
+    router_pairs = sum(m.get("router_pairs", 0.0) for m in per_rank)
+    router = {"mismatch/router_agreement": sum(m.get("router_agree", 0.0) for m in per_rank) / router_pairs} \
+        if router_pairs else {}
     return {
+        **router,
         "loss/pg": sum(m["pg_loss"] for m in per_rank) / tokens,
         "actor/entropy": sum(m["entropy"] for m in per_rank) / tokens,
         "actor/kl": sum(m["kl"] for m in per_rank) / tokens,

@@ -212,7 +212,7 @@ def start_runtime(cfg: Config) -> Runtime:
               "target_modules": list(lora.target_modules)} if lora.enabled else None,
         freeze_vision_tower=cfg.trainer.freeze_vision_tower, freeze_projector=cfg.trainer.freeze_projector,
         gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-        release_cache_after_update=colocated(cfg, device))
+        release_cache_after_update=colocated(cfg, device), routing_replay=cfg.algorithm.routing_replay.value)
     if colocated(cfg, device):
         # vLLM sizes its KV cache from the GPU memory it sees taken while it profiles: the ranks
         # that share its GPU start loading only once it is up (controller/colocate.py)

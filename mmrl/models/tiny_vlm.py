@@ -2,7 +2,8 @@
 
 No model hub is reachable where mmrl is developed and tested, so every model the tests use is
 built here from a config: a byte-level BPE tokenizer trained on a small local corpus and a
-Qwen2-VL / Qwen2.5-VL / Qwen3-VL, or a LLaVA (CLIP vision tower, MLP projector, a Qwen2 text
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense or MoE: `qwen3_vl_moe`, MOE_EXPERTS experts, top
+MOE_TOP_K), or a LLaVA (CLIP vision tower, MLP projector, a Qwen2 text
 model, plain 1-D positions, `<image>` expanded to a fixed number of tokens), with random
 (seeded) weights. The output folder is an ordinary
 Hugging Face folder: `AutoProcessor`, `AutoModelForImageTextToText` and `vllm.LLM` load it
@@ -18,8 +19,14 @@ from typing import Any, Sequence
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "internvl")
-QWEN_ARCHS = ARCHS[:3]
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "internvl", "qwen3_vl_moe")
+QWEN_ARCHS = (*ARCHS[:3], "qwen3_vl_moe")
+QWEN3_ARCHS = ("qwen3_vl", "qwen3_vl_moe")  # one vision tower, processor and positions rule
+
+# The MoE text layers of `qwen3_vl_moe`: few experts, top-2, so that routing is a real choice
+# (and R3 has something to replay) while the model stays tiny.
+MOE_EXPERTS = 4
+MOE_TOP_K = 2
 
 # Answer words of the built-in tasks. Each must be ONE token ("red", " red", "Red") so a reward
 # or a probe can read a one-word answer from a single sampled token.
@@ -286,7 +293,7 @@ def _config(arch: str, s: _Sizes, ids: dict[str, int], vocab_size: int) -> Any:
         vision.update(hidden_size=s.vision_hidden, intermediate_size=2 * s.vision_hidden,
                       out_hidden_size=s.hidden_size, window_size=112,
                       fullatt_block_indexes=[s.vision_depth - 1], tokens_per_second=2)
-    elif arch == "qwen3_vl":
+    elif arch in QWEN3_ARCHS:
         cls = transformers.Qwen3VLConfig
         text.update(head_dim=HEAD_DIM)  # Qwen3 does not derive it from hidden / heads
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6,
@@ -294,6 +301,14 @@ def _config(arch: str, s: _Sizes, ids: dict[str, int], vocab_size: int) -> Any:
         vision.update(hidden_size=s.vision_hidden, intermediate_size=2 * s.vision_hidden,
                       out_hidden_size=s.hidden_size, num_position_embeddings=256,
                       deepstack_visual_indexes=[0])
+        if arch == "qwen3_vl_moe":  # every text layer sparse: MOE_EXPERTS experts, top MOE_TOP_K
+            cls = transformers.Qwen3VLMoeConfig
+            text.update(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
+                        # 3/2 of the width: expert weights must not be square (see finish_saved_model)
+                        moe_intermediate_size=3 * s.hidden_size // 2, decoder_sparse_step=1, mlp_only_layers=[],
+                        # vLLM's Qwen3-MoE layer reads it (the released configs carry it); transformers'
+                        # router always renormalises the top-k weights, so it must be true
+                        norm_topk_prob=True)
     else:
         raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
     return cls(
@@ -331,9 +346,9 @@ def _processor(arch: str, s: _Sizes, tokenizer: PreTrainedTokenizerFast) -> Any:
     grid = dict(patch_size=s.patch_size, merge_size=s.merge_size,
                 temporal_patch_size=s.temporal_patch_size)
     # Qwen3-VL normalises pixels with mean/std 0.5 (Qwen2/2.5-VL: the CLIP statistics)
-    norm = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if arch == "qwen3_vl" else {}
+    norm = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if arch in QWEN3_ARCHS else {}
     image_proc = transformers.Qwen2VLImageProcessor(size=size, **grid, **norm)
-    if arch == "qwen3_vl":
+    if arch in QWEN3_ARCHS:
         video_proc = transformers.Qwen3VLVideoProcessor(size=size, **grid)
         proc_cls = transformers.Qwen3VLProcessor
     else:
@@ -365,7 +380,7 @@ def build_tiny_vlm(arch: str, out_dir: str | Path, *, words: Sequence[str] = DEF
     if vision_depth < 1 or num_layers < 1:
         raise ValueError("num_layers and vision_depth must be >= 1")
 
-    patch = 16 if arch == "qwen3_vl" else 14
+    patch = 16 if arch in QWEN3_ARCHS else 14
     merge = 2
     unit = (patch * merge) ** 2  # pixels per image token
     sizes = _Sizes(
@@ -403,6 +418,10 @@ def build_tiny_vlm(arch: str, out_dir: str | Path, *, words: Sequence[str] = DEF
         from mmrl.plugins.processors.llava import LlavaProcessor
 
         LlavaProcessor.finish_saved_model(out)
+    elif arch == "qwen3_vl_moe":  # the experts in the layout vLLM loads
+        from mmrl.plugins.processors.qwen_vl import QwenVLProcessor
+
+        QwenVLProcessor.finish_saved_model(out)
     _processor(arch, sizes, tokenizer).save_pretrained(out)
 
     provenance = {

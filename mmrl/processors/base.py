@@ -96,6 +96,12 @@ class ProcessorAdapter:
         the same name unless the family's engine and transformers disagree."""
         return name
 
+    @staticmethod
+    def engine_weight_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor the rollout engine loads for trainer weight `name` (its layout in released
+        checkpoints); the same tensor unless the family's engine and transformers disagree."""
+        return tensor
+
 
 def media_list(x: Any) -> list[Any]:
     """An engine prompt's `multi_modal_data` entry as a list: vLLM takes one item or a list, and

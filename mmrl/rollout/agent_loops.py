@@ -27,7 +27,7 @@ from mmrl.data.sample import Sample
 from mmrl.processors.base import ProcessedPrompt
 from mmrl.registry import register
 from mmrl.rollout.client import RolloutClient
-from mmrl.rollout.types import Completion, RequestSampling, Trajectory
+from mmrl.rollout.types import Completion, RequestSampling, Trajectory, join_routing
 
 
 @dataclass
@@ -50,6 +50,7 @@ def make_trajectory(completions: list[Completion], between: list[tuple[list[int]
     logprobs: list[float] = [0.0] * len(ids)
     mask: list[int] = [0] * len(ids)
     versions: list[int] = [-1] * len(ids)
+    routing: list[tuple[Any, int]] = [(None, len(ids))]
     text = lead[1] if lead else ""
     between = between or []
     for k, c in enumerate(completions):
@@ -57,9 +58,11 @@ def make_trajectory(completions: list[Completion], between: list[tuple[list[int]
         logprobs += c.logprobs
         mask += [1] * len(c.token_ids)
         versions += c.token_versions or [-1] * len(c.token_ids)
+        routing.append((c.routed_experts, len(c.token_ids)))
         text += c.text
         if k < len(between):
             extra_ids, extra_text = between[k]
+            routing.append((None, len(extra_ids)))
             ids += extra_ids
             logprobs += [0.0] * len(extra_ids)
             mask += [0] * len(extra_ids)
@@ -68,7 +71,8 @@ def make_trajectory(completions: list[Completion], between: list[tuple[list[int]
     sampled = [v for v, m in zip(versions, mask) if m and v >= 0]
     return Trajectory(prompt_index=-1, response_ids=ids, behaviour_logprobs=logprobs, loss_mask=mask, text=text,
                       finish_reason=finish_reason or (completions[-1].finish_reason if completions else None),
-                      weight_version=min(sampled) if sampled else -1, token_versions=versions)
+                      weight_version=min(sampled) if sampled else -1, token_versions=versions,
+                      routed_experts=join_routing(routing))
 
 
 class ScriptedClient:

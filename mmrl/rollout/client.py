@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mmrl.rollout.types import Completion, RequestSampling, SamplingConfig
+from mmrl.rollout.types import Completion, RequestSampling, SamplingConfig, join_routing
 
 
 class EngineLost(RuntimeError):
@@ -191,6 +191,7 @@ class RolloutClient:
         token_ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        routing: list[tuple[Any, int]] = []
         text, attempt, current_prompt, current = "", 0, prompt, sampling
         while True:
             if self.router.replaces_engines:
@@ -208,11 +209,12 @@ class RolloutClient:
             token_ids += c.token_ids
             logprobs += c.logprobs
             versions += c.token_versions
+            routing.append((c.routed_experts, len(c.token_ids)))
             text += c.text
             if c.finish_reason != "abort" or len(token_ids) >= sampling.max_tokens:
                 finish = c.finish_reason if c.finish_reason != "abort" else "length"
                 return Completion(token_ids=token_ids, logprobs=logprobs, text=text, finish_reason=finish,
-                                  token_versions=versions)
+                                  token_versions=versions, routed_experts=join_routing(routing))
             attempt += 1
             self.router.load[self.engine].resubmitted += 1
             current_prompt = {**prompt, "prompt_token_ids": list(prompt["prompt_token_ids"]) + token_ids}

@@ -124,6 +124,7 @@ class RolloutEngine:
         self.start_seconds = 0.0
         self._scheduler: dict[str, float] = {}
         self.counters = RequestCounters()
+        self.moe_layers: list[int] = []  # MoE models: the layers whose routing each request records
         self._shut_down = asyncio.Event()  # ends watch() calls: a clean stop is not a death
 
     @classmethod
@@ -146,6 +147,8 @@ class RolloutEngine:
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.llm_kwargs),
                                                  stat_loggers=[_stats_logger_factory(self._scheduler)])
             await self.llm.update_weight_version(str(self.weight_version))
+            # MoE models: record every request's routed experts (routing replay, R3); [] if dense
+            self.moe_layers = (await self.llm.collective_rpc("mmrl_capture_routing"))[0]
             self.start_seconds = time.time() - t0
         return {"start_seconds": self.start_seconds, "pid": os.getpid()}
 
@@ -197,8 +200,23 @@ class RolloutEngine:
                 finish, spans = c.finish_reason, c.weight_versions or spans
         finally:
             self.counters.leave(request_id, len(ids))
+        routing = await self._routing(request_id, len(ids))
         return Completion(token_ids=ids, logprobs=logprobs, text=text, finish_reason=finish,
-                          token_versions=self._token_versions(spans, len(ids)))
+                          token_versions=self._token_versions(spans, len(ids)), routed_experts=routing)
+
+    async def _routing(self, request_id: str, n: int) -> Any:
+        """(n, MoE layers, k) int16 expert ids of a finished (or aborted) request; None for a
+        dense model. Taken in any case, so the worker forgets the request."""
+        if not self.moe_layers:
+            return None
+        import numpy as np
+
+        taken = (await self.llm.collective_rpc("mmrl_take_routing", args=(request_id, n)))[0]
+        if n == 0:
+            return None
+        if taken["rows"] != n:
+            raise RuntimeError(f"request {request_id}: routing recorded for {taken['rows']} of its {n} tokens")
+        return np.frombuffer(bytes(taken["data"]), dtype=np.int16).reshape(n, len(self.moe_layers), -1).copy()
 
     def _token_versions(self, spans: Any, n: int) -> list[int]:
         if not spans:

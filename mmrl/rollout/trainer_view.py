@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import ray
 
 from mmrl.processors.base import ProcessedPrompt
@@ -37,7 +38,7 @@ def to_trainer_view(processor: Any, prompt: ProcessedPrompt, t: Trajectory) -> N
     P, Pe = prompt.num_tokens, len(engine_prompt)
     if full.prompt_ids[:P] != list(prompt.prompt_ids):
         raise RuntimeError(f"sample {prompt.key!r}: expanding the transcript changed the prompt's own tokens")
-    ids, mask, logprobs, versions = [], [], [], []
+    ids, mask, logprobs, versions, routed = [], [], [], [], []
     counts: dict[int, int] = {}
     for j in source[P:]:
         counts[j - Pe] = counts.get(j - Pe, 0) + 1
@@ -48,11 +49,19 @@ def to_trainer_view(processor: Any, prompt: ProcessedPrompt, t: Trajectory) -> N
         mask.append(t.loss_mask[j] if single else 0)
         logprobs.append(t.behaviour_logprobs[j] if single else 0.0)
         versions.append((t.token_versions[j] if t.token_versions else -1) if single else -1)
+        # a routing row belongs to the input before the token: kept where that input is the
+        # engine's own previous token (not inside an expanded vision block)
+        prev = source[i - 1] - Pe
+        same_input = single and (i == P or (prev == j - 1 and counts.get(prev, 0) == 1))
+        routed.append(j if same_input else -1)
     tail = {}
     for k, v in full.mm_inputs.items():
         start = prompt.mm_inputs[k].shape[0] if k in prompt.mm_inputs else 0
         if v.shape[0] > start:
             tail[k] = v[start:]
     t.response_ids, t.loss_mask, t.behaviour_logprobs, t.token_versions = ids, mask, logprobs, versions
+    if t.routed_experts is not None and routed:
+        rec = t.routed_experts
+        t.routed_experts = np.stack([rec[j] if j >= 0 else np.full(rec.shape[1:], -1, dtype=rec.dtype) for j in routed])
     t.response_inputs = ray.put(ResponseInputs(positions_AT=full.positions_AP[:, P:], mm_inputs=tail))
     t.new_media = {}

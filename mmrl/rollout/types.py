@@ -67,6 +67,20 @@ class Completion:
     text: str
     finish_reason: str | None
     token_versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
+    # MoE models: (len(token_ids), MoE layers, top-k) int16, the experts each layer routed the
+    # forward that sampled each token to (routing replay, rollout/routing_capture.py); else None
+    routed_experts: Any = None
+
+
+def join_routing(parts: list[tuple[Any, int]]) -> Any:
+    """One (sum n, layers, k) record from (record or None, n tokens) pieces, -1 rows where a
+    piece has none (tokens a loop inserted, an engine that recorded nothing); None if no piece has one."""
+    import numpy as np
+
+    shape = next((r.shape[1:] for r, _ in parts if r is not None), None)
+    if shape is None:
+        return None
+    return np.concatenate([r if r is not None else np.full((n, *shape), -1, dtype=np.int16) for r, n in parts])
 
 
 @dataclass
@@ -85,6 +99,9 @@ class Trajectory:
     finish_reason: str | None
     weight_version: int  # the OLDEST weight version among the sampled tokens (staleness is measured from it)
     token_versions: list[int] = field(default_factory=list)
+    # MoE models: (len(response_ids), MoE layers, top-k), -1 rows on tokens the policy did not
+    # sample (see Completion.routed_experts); the trainer replays it (algorithm.routing_replay)
+    routed_experts: Any = None
     reward: float = 0.0
     reward_components: dict[str, float] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)

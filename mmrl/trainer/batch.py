@@ -56,6 +56,9 @@ class TrainSequence:
     response_ref: Any = None
     response_positions_AT: torch.Tensor | None = None
     response_mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # MoE models: the engine's routed experts per response token, (T, MoE layers, k), -1 where
+    # none (`Trajectory.routed_experts`); replayed or compared by trainer/routing_replay.py
+    routed_experts: Any = None
 
     @property
     def prompt_length(self) -> int:
@@ -69,15 +72,17 @@ class TrainSequence:
 
     @classmethod
     def from_prompt(cls, prompt: ProcessedPrompt | PromptRef, response_ids: list[int], behaviour_logprobs: list[float],
-                    loss_mask: list[int], advantage: float = 0.0, response_ref: Any = None) -> "TrainSequence":
+                    loss_mask: list[int], advantage: float = 0.0, response_ref: Any = None,
+                    routed_experts: Any = None) -> "TrainSequence":
         if isinstance(prompt, PromptRef):  # positions and ids arrive with resolve_prompts
             return cls(prompt_ids=[], positions_AP=torch.zeros((0, 0), dtype=torch.long), next_position=0,
                        mm_inputs={}, response_ids=response_ids, behaviour_logprobs=behaviour_logprobs,
-                       loss_mask=loss_mask, advantage=advantage, prompt_ref=prompt, response_ref=response_ref)
+                       loss_mask=loss_mask, advantage=advantage, prompt_ref=prompt, response_ref=response_ref,
+                       routed_experts=routed_experts)
         return cls(prompt_ids=prompt.prompt_ids, positions_AP=prompt.positions_AP,
                    next_position=prompt.next_position, mm_inputs=prompt.mm_inputs, response_ids=response_ids,
                    behaviour_logprobs=behaviour_logprobs, loss_mask=loss_mask, advantage=advantage,
-                   response_ref=response_ref)
+                   response_ref=response_ref, routed_experts=routed_experts)
 
 
 def resolve_prompts(seqs: Sequence[TrainSequence]) -> None:

@@ -25,6 +25,7 @@ from mmrl.trainer.deepspeed_config import build_deepspeed_config
 from mmrl.trainer.generate import GenerationRequest
 from mmrl.trainer.model_setup import checkpointing_paused, enable_gradient_checkpointing, freeze_vision
 from mmrl.trainer.plan import StepInputs, filler_for
+from mmrl.trainer.routing_replay import RoutingReplay, replay_rows
 from mmrl.trainer.update import SUM_KEYS, LossSettings, micro_batch_loss
 
 
@@ -60,6 +61,8 @@ class TrainerSpec:
     # cluster.colocate: the rank's GPU is shared with an engine, which wakes up once the update is
     # over: the allocator's cached blocks (activations, logits) go back to the GPU after each update
     release_cache_after_update: bool = False
+    # algorithm.routing_replay (MoE models): "rollout" replays the engine's routed experts
+    routing_replay: str = "off"
 
 
 class TrainerWorker:
@@ -118,6 +121,10 @@ class TrainerWorker:
         optimizer = torch.optim.AdamW(trainable, lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.engine.train()
+        # MoE routers: replay (or compare with) the engine's routing; no hooks on a dense model
+        self.routing = RoutingReplay(self.engine.module, spec.routing_replay)
+        if spec.routing_replay == "rollout" and not self.routing.routers:
+            raise ValueError("algorithm.routing_replay=rollout: the model has no MoE routers to replay")
         self.ref_engine = None
         if spec.reference_model and not spec.lora:
             # A frozen copy, sharded like the policy (ZeRO-3 inference: no optimizer state).
@@ -136,11 +143,19 @@ class TrainerWorker:
         return self._setup_info
 
     # ---- forward helpers -------------------------------------------------------------------------
-    def _forward(self, seqs: Sequence[TrainSequence], engine: Any = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def _forward(self, seqs: Sequence[TrainSequence], engine: Any = None,
+                 measure: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor]:
         engine = engine or self.engine
         mb = collate(seqs, self.spec.pad_token_id, self.spec.padding_free)
+        # the policy (not the reference model) routes as the engine did; the rows stay set until
+        # the next forward, for a gradient-checkpointing recompute in the backward
+        replay = self.routing.routers and engine is self.engine
+        if replay:
+            self.routing.use(replay_rows(seqs, mb), measure=measure)
         with self.vision_aligned(engine, mb.mm_inputs):
             out = engine(**mb.model_inputs())
+        if replay:
+            self.routing.measuring = False
         logprobs_BT, entropy_BT = mb.response_logprobs(out.logits, self.spec.temperature, self.spec.forbidden_token_ids)
         return mb, logprobs_BT, entropy_BT
 
@@ -265,12 +280,14 @@ class TrainerWorker:
             s.ref_logprobs = kept.get("ref_logprobs", s.ref_logprobs)
         self._kept.clear()
         fallback = next(s for mini in inputs.mini_batches for chunk in mini.micro_batches for s in chunk)
-        for _ in range(inputs.epochs):
+        self.routing.take_counts()
+        for epoch in range(inputs.epochs):
             for mini in inputs.mini_batches:
                 scale = spec.world_size / mini.loss_denominator  # DeepSpeed averages gradients over ranks
                 for chunk in mini.micro_batches:
-                    run, _ = filler_for(chunk, fallback)
-                    mb, logprobs_BT, entropy_BT = self._forward(run)
+                    run, is_filler = filler_for(chunk, fallback)
+                    # router agreement: each real token once (the first epoch's forward)
+                    mb, logprobs_BT, entropy_BT = self._forward(run, measure=epoch == 0 and not is_filler)
                     loss, stats = micro_batch_loss(
                         self.policy_loss, loss_settings, logprobs_BT, entropy_BT, mb.mask_BT, mb.advantages_B,
                         mb.behaviour_logprobs_BT, mb.old_logprobs_BT, mb.ref_logprobs_BT, scale)
@@ -287,7 +304,8 @@ class TrainerWorker:
                 skipped += 0 if np.isfinite(norm) else 1
         if spec.release_cache_after_update and torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return {**sums, "max_abs_logprob_diff": max_diff, "max_mismatch_ratio": max_ratio,
+        self.routing.use(None, measure=False)
+        return {**sums, **self.routing.take_counts(), "max_abs_logprob_diff": max_diff, "max_mismatch_ratio": max_ratio,
                 "min_mismatch_ratio": min_ratio, "grad_norms": grad_norms, "skipped_updates": skipped,
                 "updates": inputs.num_updates, "train_s": time.time() - t0}
 
@@ -338,8 +356,8 @@ class TrainerWorker:
                 n_buckets += 1
                 with deepspeed.zero.GatheredParameters([p for u in bucket for p in u.params], modifier_rank=None):
                     if sender is not None:
-                        sent_bytes += sender.send({self.adapter.engine_weight_name(n): t for u in bucket
-                                                   for n, t in u.tensors(sender.device).items()})
+                        sent_bytes += sender.send({self.adapter.engine_weight_name(n): self.adapter.engine_weight_tensor(n, t)
+                                                   for u in bucket for n, t in u.tensors(sender.device).items()})
         except BaseException:
             if sender is not None:
                 self._drop_weight_link()  # a broadcast may have broken off half way: form a new group next time

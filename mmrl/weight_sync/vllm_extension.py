@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from mmrl.rollout.vllm_logs import mark_config_only_modules
+from mmrl.weight_sync.cpu_moe import load_cpu_experts, split_expert_weights
 from mmrl.weight_sync.packing import BucketHeader, unpack_bucket
 
 
@@ -37,10 +38,17 @@ class WeightSyncExtension:
         if not staged:
             return 0
         self._mmrl_mark_config_only()
+        # MoE experts on CPU go in directly (the reload leaves them unusable: weight_sync/cpu_moe.py)
+        staged, experts = split_expert_weights(self.model_runner.get_model(), staged)
         # reload_weights also clears the worker-side encoder and multimodal caches; the caller
         # still resets the scheduler-side encoder cache and the prefix cache.
-        self.model_runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
-        return len(staged)
+        if staged:
+            self.model_runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+        if experts:
+            load_cpu_experts(self.model_runner.get_model(), experts)
+            self.model_runner.reset_encoder_cache()
+            self.model_runner.reset_mm_cache()
+        return len(staged) + len(experts)
 
     def _mmrl_mark_config_only(self) -> None:
         if not getattr(self, "_mmrl_marked", False):
@@ -86,11 +94,16 @@ class WeightSyncExtension:
         # staged now: this bucket plus what layers still keep of earlier ones (a layer whose
         # weights straddle two buckets waits for the rest before it is repacked)
         session["peak_staged_bytes"] = max(session["peak_staged_bytes"], nbytes + _held_bytes())
-        self.model_runner.get_model().load_weights(weights)
+        model = self.model_runner.get_model()
+        weights, experts = split_expert_weights(model, weights)
+        if weights:
+            model.load_weights(weights)
+        if experts:
+            load_cpu_experts(model, experts)
         session["buckets"] += 1
-        session["tensors"] += len(weights)
+        session["tensors"] += len(weights) + len(experts)
         session["bytes"] += nbytes
-        return len(weights)
+        return len(weights) + len(experts)
 
     def mmrl_receive_bucket(self, header_json: str) -> int:
         """Join rank 0's broadcast of one bucket and load it into the model."""
@@ -119,6 +132,22 @@ class WeightSyncExtension:
         self._mmrl_session = None
         return {**{k: float(v) for k, v in session.items()},
                 "staged_tensors": float(len(getattr(self, "_mmrl_staged", [])))}
+
+    # ---- routing replay (R3): the experts each MoE layer chose, per request (rollout/routing_capture.py)
+    def mmrl_capture_routing(self) -> list[int]:
+        """Start recording the routed experts of every request; returns the MoE layer indices."""
+        from mmrl.rollout.routing_capture import RoutingCapture, has_moe_layers
+
+        model = self.model_runner.get_model()
+        if not has_moe_layers(model):  # a dense model: nothing to record
+            return []
+        if getattr(self, "_mmrl_routing", None) is None:
+            self._mmrl_routing = RoutingCapture(model, self.model_runner)
+        return list(self._mmrl_routing.layer_ids)
+
+    def mmrl_take_routing(self, request_id: str, num_tokens: int) -> dict[str, Any]:
+        """A finished request's routed experts: {"rows", "data": int16 bytes (rows, MoE layers, top-k)}."""
+        return self._mmrl_routing.take(request_id, num_tokens)
 
     def mmrl_weights_checksum(self) -> float:
         model = self.model_runner.get_model()
