@@ -44,3 +44,21 @@ def demo_runtime(model_dir: Path, colors_dir: Path, run_dir: Path, *overrides: s
     finally:
         rt.close()
         ray.shutdown()
+
+
+def demo_steps(rt: Any, colors_dir: Path, count: int) -> Iterator[tuple[int, dict[str, float], list]]:
+    """`count` of the demo's synchronous GRPO steps on `rt` (weights pushed each step), from a
+    fresh seeded stream of the colours shards: yields (step, metrics, samples used)."""
+    from mmrl import registry
+    from mmrl.controller.loop import run_step
+    from mmrl.controller.prompts import SampleBatches
+    from mmrl.data.stream import ShardStream
+    from mmrl.utils.timing import StepSpans
+
+    stream = ShardStream(f"{colors_dir}/train-000000.tar", shuffle_buffer=rt.cfg.data.shuffle_buffer, seed=1)
+    batches = SampleBatches(stream, rt.cfg.rollout.prompts_per_step)
+    advantage = registry.resolve("advantage", rt.cfg.algorithm.advantage)
+    first = rt.weight_version
+    for step in range(first + 1, first + 1 + count):
+        metrics, used = run_step(rt, batches(), advantage, StepSpans(), step=step, batches=batches)
+        yield step, metrics, used

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from _engine import demo_runtime
+from _engine import demo_runtime, demo_steps
 from test_parity import _rollout_and_compare, train_with_a_text_only_rank
 
 from mmrl import registry
@@ -75,12 +75,7 @@ def test_grpo_steps_train_and_the_engine_samples_what_the_trainer_computes(runti
     """Three of the demo's GRPO steps: every prompt used, the weights pushed each step, and the
     engine's logprobs equal to the trainer's under the new weights (the family's sync is exact)."""
     rt = runtime
-    stream = ShardStream(f"{colors_dir}/train-000000.tar", shuffle_buffer=rt.cfg.data.shuffle_buffer, seed=1)
-    batches = SampleBatches(stream, rt.cfg.rollout.prompts_per_step)
-    advantage = registry.resolve("advantage", rt.cfg.algorithm.advantage)
-    first = rt.weight_version
-    for step in range(first + 1, first + 4):
-        metrics, used = run_step(rt, batches(), advantage, StepSpans(), step=step, batches=batches)
+    for step, metrics, used in demo_steps(rt, colors_dir, 3):
         assert len(used) == rt.cfg.rollout.prompts_per_step and metrics["weight_version"] == step
         assert metrics["mismatch/mean_abs_logprob_diff"] < 1e-4
         assert torch.isfinite(torch.tensor(metrics["loss/pg"])) and metrics["train/nonfinite_skipped"] == 0, metrics

@@ -13,19 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from _engine import demo_runtime
+from _engine import demo_runtime, demo_steps
 
-from mmrl import registry
 from mmrl.controller.checkpoint import save_checkpoint
-from mmrl.controller.loop import run_step
-from mmrl.controller.prompts import SampleBatches
 from mmrl.controller.rollout import run_rollout
-from mmrl.data.stream import ShardStream
 from mmrl.models.tiny_vlm import MOE_EXPERTS, MOE_TOP_K, build_tiny_vlm
 from mmrl.rollout.types import SamplingConfig
 from mmrl.trainer.batch import TrainSequence
 from mmrl.trainer.plan import plan_forward_only
-from mmrl.utils.timing import StepSpans
 
 pytestmark = pytest.mark.slow
 
@@ -80,12 +75,7 @@ def test_demo_steps_train_sync_and_measure_router_agreement(runtime, colors_dir:
     """Two of the demo's GRPO steps with replay: each step syncs the weights (the experts reach
     vLLM transposed to its layout), so the next step's parity shows the sync is exact."""
     rt = runtime
-    stream = ShardStream(f"{colors_dir}/train-000000.tar", shuffle_buffer=rt.cfg.data.shuffle_buffer, seed=1)
-    batches = SampleBatches(stream, rt.cfg.rollout.prompts_per_step)
-    advantage = registry.resolve("advantage", rt.cfg.algorithm.advantage)
-    first = rt.weight_version
-    for step in range(first + 1, first + 3):
-        metrics, used = run_step(rt, batches(), advantage, StepSpans(), step=step, batches=batches)
+    for step, metrics, used in demo_steps(rt, colors_dir, 2):
         assert metrics["weight_version"] == step and metrics["train/nonfinite_skipped"] == 0
         print(f"step {step}: mean |d| {metrics['mismatch/mean_abs_logprob_diff']:.2e}, router agreement "
               f"{metrics['mismatch/router_agreement']:.4f}, ratio [{metrics['mismatch/ratio_min']:.6f}, "
