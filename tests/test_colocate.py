@@ -186,8 +186,10 @@ def test_dry_run_of_the_7b_config_colocated(qwen7b_dir: Path, colors_dir: Path,
 
 
 # ---- the controller's order ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_local() -> Any:
+    """Per test: the real-engine test between its users starts its own Ray (local_engine), with
+    the engine's environment, which a running instance would not get."""
     import ray
 
     from mmrl.utils.env import init_local_ray
