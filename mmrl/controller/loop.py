@@ -94,7 +94,7 @@ class Runtime:
             # An engine that died during the push is replaced (with these weights); then the
             # push is repeated for all, so every engine runs the same version. Anything else
             # (no engine died: a trainer rank, say) is raised as it was.
-            if not self.workers.replace_dead_engines(timeout=ENGINE_DEATH_WAIT_S):
+            if not self.workers.replace_dead(timeout=ENGINE_DEATH_WAIT_S):
                 raise
             return self.sync_weights_to(self.engines, self.weight_version)
 

@@ -296,10 +296,6 @@ class RolloutWorkers:
             replaced += self._on_watch(ref, *self._watches.pop(ref))
         return replaced
 
-    def replace_dead_engines(self, timeout: float) -> int:
-        """After a failed weight push: replace the engines (and workers) that died."""
-        return self.replace_dead(timeout)
-
     def _arm_watches(self) -> None:
         watched = {(kind, key) for kind, _, key in self._watches.values()}
         if self.on_engine_lost is not None:  # engines are replaced only by a run that can restart them
