@@ -1,7 +1,7 @@
 """`mmrl train` as a subprocess, for the tests that kill runs and compare them with runs that were
-never interrupted (test_checkpoint_resume.py, test_restarts.py): the command, a run started in its
-own process group, waits on its files and its own log (never on the clock: hang guards only),
-a SIGKILL of the whole run, and the comparison of two runs' records."""
+never interrupted (test_restarts.py, test_export.py): the command, a run started in its own
+process group, waits on its files and its own log (never on the clock: hang guards only), a
+SIGKILL of the whole run, and the comparison of two runs' records."""
 from __future__ import annotations
 
 import json
@@ -25,6 +25,32 @@ def train_cmd(run_dir: Path, model: Path, data: Path, *overrides: str) -> list[s
             f"model.path={model}", f"data.train_shards={data}/train-{{000000..000001}}.tar",
             f"data.heldout_shards={data}/heldout-000000.tar", f"run.output_dir={run_dir}", "run.time_limit_s=null",
             "logging.progress_bar=false", *overrides]
+
+
+# The learning rate and the entropy bonus both fade over steps 10-30 of the kill/resume runs: a
+# resumed run must use the coefficients of the step it resumes at (a function of the step alone).
+SCHEDULE_START, SCHEDULE_STEPS, LR, LR_END_FACTOR, ENTROPY_COEF = 10, 20, 5e-4, 0.5, 0.1
+
+
+def kill_test_cmd(run_dir: Path, model: Path, data: Path, steps: int, *overrides: str) -> list[str]:
+    """The run the kill/resume tests start, kill and compare: small steps (4 prompts x 4 samples),
+    a held-out set of 8, a checkpoint every 4 steps (the time goes to the starts), and the
+    schedules above."""
+    return train_cmd(run_dir, model, data, f"run.max_steps={steps}", "rollout.prompts_per_step=4",
+                     "rollout.group_size=4", "eval.every_steps=4", "eval.num_prompts=8", "checkpoint.every_steps=4",
+                     "checkpoint.keep_last=2", "logging.console_every=1", f"trainer.lr={LR}",
+                     f"algorithm.entropy_coef={ENTROPY_COEF}", "algorithm.entropy_schedule.kind=linear",
+                     f"algorithm.entropy_schedule.start_step={SCHEDULE_START}",
+                     f"algorithm.entropy_schedule.steps={SCHEDULE_STEPS}", "algorithm.entropy_schedule.end_coef=0.0",
+                     "trainer.lr_schedule.kind=linear", f"trainer.lr_schedule.start_step={SCHEDULE_START}",
+                     f"trainer.lr_schedule.steps={SCHEDULE_STEPS}", f"trainer.lr_schedule.end_factor={LR_END_FACTOR}",
+                     *overrides)
+
+
+def scheduled_coefficients(step: int) -> tuple[float, float]:
+    """(entropy coefficient, learning rate) that step `step` of `kill_test_cmd`'s run trains with."""
+    faded = min(max((step - SCHEDULE_START) / SCHEDULE_STEPS, 0.0), 1.0)
+    return ENTROPY_COEF * (1 - faded), LR * (1 - (1 - LR_END_FACTOR) * faded)
 
 
 def run_env() -> dict[str, str]:
@@ -83,3 +109,5 @@ def assert_same_steps(expected: dict[int, dict], got: dict[int, dict], steps: It
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (step, key, a[key], b[key])
         assert b["weight_version"] == a["weight_version"], step
         assert b.get("eval/heldout_accuracy") == a.get("eval/heldout_accuracy"), step
+        for key in ("actor/entropy_coef", "train/lr", "train/lr_scale"):  # schedules restored where they stood
+            assert b.get(key) == a.get(key), (step, key, a.get(key), b.get(key))

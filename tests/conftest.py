@@ -47,6 +47,18 @@ def colors_samples(colors_dir: Path) -> list:
     return load_all(str(colors_dir / "heldout-000000.tar"))
 
 
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, colors_dir: Path) -> Path:
+    """One uninterrupted 40-step run of `_runs.kill_test_cmd`: the kill/resume tests
+    (test_restarts.py) compare their runs with it step by step, test_export.py exports it."""
+    from _runs import kill_test_cmd, run_to_end
+
+    root = tmp_path_factory.mktemp("reference")
+    run = root / "run"
+    run_to_end(kill_test_cmd(run, tiny_model_dir, colors_dir, 40), root)
+    return run
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _ray_shut_down_after_module():
     """A module fixture that fails after starting Ray never reaches its teardown; without this, every

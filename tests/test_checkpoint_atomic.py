@@ -9,7 +9,7 @@ part of a save (the partial folder, fsync, renames, pruning, the leftovers). A s
 its shard and RNG files into the checkpoint folder as TrainerWorker.save_checkpoint does (or
 fails part-way), and reads them back on load; its `.remote` runs the call at once, so `ray.get`
 is made the identity. The real ranks' save and load are checked end to end by
-tests/test_checkpoint_resume.py (slow)."""
+tests/test_restarts.py (slow: kills and resumes of real runs)."""
 from __future__ import annotations
 
 import errno

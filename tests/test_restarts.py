@@ -5,12 +5,14 @@ run, through the real CLI: real Ray actors, two ZeRO-3 ranks, a vLLM engine.
   and ends with the samples and metrics of a run that was never interrupted.
 - With run.max_restarts=0 it stops instead (exit 75), naming the rank and the command that
   resumes it; running that command resumes exactly.
-- The whole run killed with SIGKILL at five random points and rerun each time ends like the
-  uninterrupted run.
+- The whole run killed with SIGKILL at five random points of its 40 steps and rerun each time
+  ends like the uninterrupted run: the same samples every step, the same metrics, and the
+  learning rate and entropy bonus of each step (their schedules run across the kills).
 
 A run of N steps is the first N steps of a longer run with the same settings (no schedule,
 evaluation or checkpoint in these settings depends on run.max_steps), so the 12-step runs are
-compared step by step with the first 12 steps of the one 40-step uninterrupted run."""
+compared step by step with the first 12 steps of the one 40-step uninterrupted run
+(conftest.py's `reference_run`)."""
 from __future__ import annotations
 
 import json
@@ -23,17 +25,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from _runs import (HANG_S, assert_same_steps, kill_run, logged_step, rows, run_to_end, start, train_cmd,
-                   wait_until)
+from _runs import (HANG_S, assert_same_steps, kill_run, kill_test_cmd, logged_step, rows, run_to_end,
+                   scheduled_coefficients, start, wait_until)
 
 from mmrl.controller.restarts import RESUME_EXIT_CODE, RankDied, RunStopped
-
-
-def _cmd(run_dir: Path, model: Path, data: Path, steps: int, *overrides: str) -> list[str]:
-    # small steps (4 prompts x 4 samples) and a held-out set of 8: the time goes to the starts
-    return train_cmd(run_dir, model, data, f"run.max_steps={steps}", "rollout.prompts_per_step=4",
-                     "rollout.group_size=4", "eval.every_steps=4", "eval.num_prompts=8", "checkpoint.every_steps=4",
-                     "checkpoint.keep_last=2", "logging.console_every=1", *overrides)
 
 
 def _same_run(expected: Path, got: Path, steps: int) -> None:
@@ -85,23 +80,15 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("restarts")
 
 
-@pytest.fixture(scope="module")
-def straight(root: Path, tiny_model_dir: Path, colors_dir: Path) -> Path:
-    """40 steps, never interrupted: the 12-step runs below compare with its first 12."""
-    run = root / "straight"
-    run_to_end(_cmd(run, tiny_model_dir, colors_dir, 40), root)
-    return run
-
-
 @pytest.mark.slow
-def test_a_killed_trainer_rank_is_restarted_from_the_newest_checkpoint(root: Path, straight: Path,
+def test_a_killed_trainer_rank_is_restarted_from_the_newest_checkpoint(root: Path, reference_run: Path,
                                                                        tiny_model_dir: Path, colors_dir: Path) -> None:
     run = root / "rank_killed"
     # after step 6 (checkpoint at 4): steps 5 and 6 were logged and are (usually) redone after the restart
-    pid, text = _kill_rank_and_wait(run, _cmd(run, tiny_model_dir, colors_dir, 12), root, 0, 2 * HANG_S)
+    pid, text = _kill_rank_and_wait(run, kill_test_cmd(run, tiny_model_dir, colors_dir, 12), root, 0, 2 * HANG_S)
     died, checkpoint = _death(text, pid)
     assert f"Restart 1 of run.max_restarts=2: from checkpoint {checkpoint}" in text
-    _same_run(straight, run, 12)
+    _same_run(reference_run, run, 12)
     metrics = rows(run)
     assert metrics[12]["run/restarts"] == 1 and metrics[1]["run/restarts"] == 0
     events = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
@@ -111,9 +98,9 @@ def test_a_killed_trainer_rank_is_restarted_from_the_newest_checkpoint(root: Pat
 
 @pytest.mark.slow
 def test_without_restarts_the_run_stops_naming_the_rank_and_the_command_that_resumes_it(
-        root: Path, straight: Path, tiny_model_dir: Path, colors_dir: Path) -> None:
+        root: Path, reference_run: Path, tiny_model_dir: Path, colors_dir: Path) -> None:
     run = root / "stopped"
-    cmd = _cmd(run, tiny_model_dir, colors_dir, 12, "run.max_restarts=0")
+    cmd = kill_test_cmd(run, tiny_model_dir, colors_dir, 12, "run.max_restarts=0")
     pid, text = _kill_rank_and_wait(run, cmd, root, RESUME_EXIT_CODE, HANG_S)
     _, checkpoint = _death(text, pid)
     assert f"mmrl: error: trainer rank 1 (pid {pid}, node " in text
@@ -123,27 +110,31 @@ def test_without_restarts_the_run_stops_naming_the_rank_and_the_command_that_res
     assert printed == ["mmrl", *cmd[3:]]
     proc = run_to_end([sys.executable, "-m", "mmrl.cli", *printed[1:]], root)
     assert "resumed from" in proc.stdout and checkpoint in proc.stdout
-    _same_run(straight, run, 12)
+    _same_run(reference_run, run, 12)
 
 
 @pytest.mark.slow  # six starts of a run
 def test_five_kill_9s_of_the_whole_run_and_reruns_end_like_the_uninterrupted_run(
-        root: Path, straight: Path, tiny_model_dir: Path, colors_dir: Path) -> None:
-    steps, expected = 40, straight
+        root: Path, reference_run: Path, tiny_model_dir: Path, colors_dir: Path) -> None:
+    steps, expected = 40, reference_run
     run = root / "killed_5x"
     # kill right after a step's metrics line: during the next step, or (every 4th) while its
     # checkpoint is being written
     points = sorted(random.Random(17).sample(range(1, steps), 5))
     for i, point in enumerate(points):
         log = root / f"killed_5x.{i}.log"
-        proc = start(_cmd(run, tiny_model_dir, colors_dir, steps), root, log)
+        proc = start(kill_test_cmd(run, tiny_model_dir, colors_dir, steps), root, log)
         try:
             wait_until(logged_step(log, point), proc, log, f"step {point}")
         finally:
             kill_run(proc)
-    proc = run_to_end(_cmd(run, tiny_model_dir, colors_dir, steps), root)
+    proc = run_to_end(kill_test_cmd(run, tiny_model_dir, colors_dir, steps), root)
     assert "resumed from" in proc.stdout
     _same_run(expected, run, steps)
+    for step, row in rows(run).items():  # each step trained with its own scheduled coefficients
+        if step > 0:
+            coef, lr = scheduled_coefficients(step)
+            assert row["actor/entropy_coef"] == pytest.approx(coef) and row["train/lr"] == pytest.approx(lr), step
     # complete checkpoints only: what kills during a save left was tidied by the next start
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000036", "step_000040"]
 

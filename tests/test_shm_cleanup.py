@@ -83,11 +83,14 @@ def test_only_this_runs_buffers_and_unused_ones_are_removed(shm_dir: Path) -> No
 
 
 def _train(run_dir: Path, model: Path, data: Path) -> subprocess.Popen:
-    """A demo run that goes on until SIGTERM (the CLI's graceful stop: the run closes as at its end)."""
+    """A demo run that goes on until SIGTERM (the CLI's graceful stop: the run closes as at its end).
+    The buffers are the trainer ranks': the ranks sample too (rollout.backend=trainer), so two
+    runs start on a 2-core machine without two vLLM engines beside four ranks."""
     cmd = [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / "colors_demo.yaml"),
            f"model.path={model}", f"data.train_shards={data}/train-{{000000..000001}}.tar",
            f"data.heldout_shards={data}/heldout-000000.tar", f"run.output_dir={run_dir}", "run.max_steps=100000",
-           "run.time_limit_s=null", "rollout.prompts_per_step=4", "rollout.group_size=4", "eval.every_steps=0",
+           "run.time_limit_s=null", "rollout.backend=trainer", "rollout.prompts_per_step=4", "rollout.group_size=4",
+           "eval.every_steps=0",
            "eval.num_prompts=4", "checkpoint.every_steps=0", "stability.enabled=false", "logging.progress_bar=false"]
     # DeepSpeed makes its shm all-reduce buffers only when LOCAL_SIZE equals the world size (as
     # its own launcher sets it); mmrl's ranks do not set it, so it comes from the environment here.

@@ -1,11 +1,10 @@
-"""The tiny VLM kit builds ordinary HF folders that transformers (and vLLM) load offline."""
+"""The tiny VLM kit builds ordinary HF folders that transformers (and vLLM) load offline. vLLM's side
+is checked wherever an engine serves a tiny folder: the prompt tokens and logprobs vLLM computes
+against the HF processor and model in tests/test_parity.py and tests/test_parity_families.py."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -140,40 +139,3 @@ def test_bfloat16_and_pixel_budget(tmp_path: Path) -> None:
     assert int(enc["image_grid_thw"].prod()) // 4 == 4  # 112x112 capped to the 4-token budget
     with pytest.raises(ValueError):
         build_tiny_vlm("llava_next", tmp_path / "x")  # not a family the kit builds
-
-
-_VLLM_SCRIPT = textwrap.dedent("""
-    import json, sys
-    from PIL import Image
-    from transformers import AutoProcessor
-    from vllm import LLM, SamplingParams
-
-    if __name__ == "__main__":
-        model_dir = sys.argv[1]
-        proc = AutoProcessor.from_pretrained(model_dir)
-        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]
-        text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-                  limit_mm_per_prompt={"image": 1, "video": 0})
-        img = Image.new("RGB", (56, 56), (30, 60, 220))
-        sp = SamplingParams(max_tokens=2, min_tokens=2, temperature=1.0, seed=0)
-        out = llm.generate([{"prompt": text, "multi_modal_data": {"image": img}}], sp, use_tqdm=False)
-        image_pad = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        print("RESULT " + json.dumps({"n_tokens": len(out[0].outputs[0].token_ids),
-                                      "n_image": out[0].prompt_token_ids.count(image_pad)}))
-""")
-
-
-@pytest.mark.slow
-def test_vllm_loads_and_generates(tmp_path: Path) -> None:
-    out = build_tiny_vlm("qwen2_5_vl", tmp_path / "m")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm_cache"), VLLM_RPC_BASE_PATH=str(tmp_path / "rpc"))
-    (tmp_path / "rpc").mkdir()
-    # The engine spawns its own process: run it in a fresh interpreter, not inside pytest.
-    proc = subprocess.run([sys.executable, "-c", _VLLM_SCRIPT, str(out)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT "):])
-    assert result == {"n_tokens": 2, "n_image": 4}

@@ -49,32 +49,48 @@ def test_a_bucket_round_trips_through_its_flat_buffer_and_header() -> None:
 
 def test_the_weight_group_broadcasts_beside_an_existing_default_group() -> None:
     """Three members (threads here; processes in a run) form the group on rank 0's store and
-    receive rank 0's buffer; a default process group in the same process is left alone."""
+    receive rank 0's buffer, while this process has a default process group (as a trainer rank
+    and a vLLM worker have): that group stays the default and still works afterwards."""
     import torch.distributed as dist
 
-    store = open_store("127.0.0.1", timeout_s=600)  # hang guards only: a busy machine may be slow
-    header, payload = pack_bucket({"w": torch.randn(1000), "b": torch.arange(10)})
-    received: dict[int, dict[str, torch.Tensor]] = {}
+    # an earlier test in this process may have left a default group; otherwise make one (1 rank)
+    made_here = not dist.is_initialized()
+    if made_here:
+        default_store = open_store("127.0.0.1", timeout_s=600)
+        dist.init_process_group("gloo", store=default_store, rank=0, world_size=1)
+    default = dist.group.WORLD
+    try:
+        store = open_store("127.0.0.1", timeout_s=600)  # hang guards only: a busy machine may be slow
+        header, payload = pack_bucket({"w": torch.randn(1000), "b": torch.arange(10)})
+        received: dict[int, dict[str, torch.Tensor]] = {}
 
-    def member(rank: int) -> None:
-        group = WeightGroup.join("127.0.0.1", store.port, rank, 3, "gloo", 600, "t1")
-        buf = torch.empty(header.nbytes, dtype=torch.uint8)
-        group.broadcast(buf)
-        received[rank] = dict(unpack_bucket(header, buf))
-        group.close()
+        def member(rank: int) -> None:
+            group = WeightGroup.join("127.0.0.1", store.port, rank, 3, "gloo", 600, "t1")
+            buf = torch.empty(header.nbytes, dtype=torch.uint8)
+            group.broadcast(buf)
+            received[rank] = dict(unpack_bucket(header, buf))
+            group.close()
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in (1, 2)]
-    for t in threads:
-        t.start()
-    root = WeightGroup(store, 0, 3, "gloo", 600, "t1")
-    root.broadcast(payload)
-    for t in threads:
-        t.join()
-    root.close()
-    sent = dict(unpack_bucket(header, payload))
-    assert sorted(received) == [1, 2]
-    assert all(torch.equal(received[r][k], sent[k]) for r in received for k in sent)
-    assert not dist.is_initialized()  # nothing global was set up
+        threads = [threading.Thread(target=member, args=(r,)) for r in (1, 2)]
+        for t in threads:
+            t.start()
+        root = WeightGroup(store, 0, 3, "gloo", 600, "t1")
+        root.broadcast(payload)
+        for t in threads:
+            t.join()
+        root.close()
+        sent = dict(unpack_bucket(header, payload))
+        assert sorted(received) == [1, 2]
+        assert all(torch.equal(received[r][k], sent[k]) for r in received for k in sent)
+        # the default group is untouched: the same object, still usable
+        assert dist.is_initialized() and dist.group.WORLD is default
+        if made_here:
+            ones = torch.ones(3)
+            dist.all_reduce(ones)
+            assert torch.equal(ones, torch.ones(3))
+    finally:
+        if made_here:
+            dist.destroy_process_group()
 
 
 def test_transport_choice_by_device_and_gpu_sharing() -> None:
