@@ -148,6 +148,17 @@ def test_on_cpu_the_model_worker_runs_in_the_engine_core(runtime: Runtime) -> No
     assert not any("Worker" in n for n in names), names
 
 
+def test_the_engines_model_class_record_is_shared_with_later_runs(runtime: Runtime) -> None:
+    """rollout/model_info_cache.py: what vLLM recorded about the model class in this run's cache
+    is in the shared folder, byte for byte, for the next run's engine to skip the inspection."""
+    from mmrl.rollout.model_info_cache import FOLDER, shared_dir
+
+    run_records = sorted((runtime.run_dir / ".cache" / "vllm" / FOLDER).glob("*Qwen2_5_VL*.json"))
+    assert run_records, "vLLM recorded no model-class info in the run"
+    for record in run_records:
+        assert (shared_dir() / record.name).read_bytes() == record.read_bytes()
+
+
 def test_cpu_engine_defaults_keep_the_users_choice() -> None:
     from mmrl.rollout.engine import CPU_IN_PROCESS_EXECUTOR, cpu_engine_defaults
 

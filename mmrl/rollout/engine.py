@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from mmrl.rollout import model_info_cache
 from mmrl.rollout.counters import RequestCounters
 from mmrl.rollout.types import Completion, RequestSampling
 from mmrl.rollout.vllm_logs import configure_engine_logging
@@ -144,8 +145,13 @@ class RolloutEngine:
 
             reread_vllm_env()  # this engine's env (RPC folder, cache root), not an earlier engine's
             t0 = time.time()
+            cache_root = os.environ.get("VLLM_CACHE_ROOT")
+            if cache_root:  # spares vLLM a fresh interpreter that inspects the model class
+                model_info_cache.seed_run_cache(cache_root)
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.llm_kwargs),
                                                  stat_loggers=[_stats_logger_factory(self._scheduler)])
+            if cache_root:
+                model_info_cache.keep_run_cache(cache_root)
             await self.llm.update_weight_version(str(self.weight_version))
             # MoE models: record every request's routed experts (routing replay, R3); [] if dense
             self.moe_layers = (await self.llm.collective_rpc("mmrl_capture_routing"))[0]

@@ -119,10 +119,15 @@ def torch_extensions_dir() -> str:
     sharing one rebuild each other's ops, since their include paths differ), with stale build
     locks removed first: torch waits forever on the lock file of a build whose process was
     killed, and every later run would hang in DeepSpeed's init."""
-    base = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
-        Path.home() / ".cache" / "mmrl" / "torch_extensions" / hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or str(environment_cache_dir("torch_extensions"))
     remove_stale_build_locks(base)
     return base
+
+
+def environment_cache_dir(kind: str) -> Path:
+    """~/.cache/mmrl/KIND/<digest of this Python environment>: a cache that every run of one
+    environment shares, and that another environment (other library versions) does not touch."""
+    return Path.home() / ".cache" / "mmrl" / kind / hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
 
 
 def remove_stale_build_locks(base: str | os.PathLike, max_age_s: float = STALE_BUILD_LOCK_S) -> list[str]:
