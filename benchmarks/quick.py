@@ -33,6 +33,7 @@ QUICK: dict[str, list[str]] = {
                       "--out", "{out}/task_probe.json"],
     "tasks.py": ["--tasks", "multi_image", "--seeds", "0", "--max-steps", "3", "--out", "{out}"],
     "video_probe.py": ["--steps", "20", "--eval-every", "10", "--conditions", "main", "--out", "{out}/video_probe.json"],
+    "moe_stability.py": ["--only", "off", "r3", "--max-steps", "3", "--eval-every", "2", "--out", "{out}"],
     "weight_sync.py": ["--steps", "3", "--world-sizes", "1", "--out", "{out}"],
     "rollout.py": ["--prompts", "4", "--repeats", "1", "--out", "{out}"],
     "startup.py": ["--rounds", "1", "--out", "{out}"],
