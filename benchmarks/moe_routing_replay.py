@@ -1,6 +1,6 @@
 """Engine-vs-trainer mismatch on an MoE VLM without and with rollout routing replay (R3).
 
-    .venv/bin/python benchmarks/moe_routing_replay.py [--dtype bfloat16] [--prompts 16] [--n 4]
+    .venv/bin/python benchmarks/moe_routing_replay.py [--dtype bfloat16] [--prompts 16] [--n 4] [--arch qwen3_vl]
 
 Builds the tiny Qwen3-VL-MoE (`mmrl tiny-model --arch qwen3_vl_moe`: 4 experts, top-2, both
 text layers sparse; `work/bench-qwen3-vl-moe-<dtype>`, once), starts the colours demo's runtime on
@@ -10,6 +10,9 @@ trainer's own routers, and replaying the engine's experts. Prints and writes
 benchmarks/results/moe_routing_replay_<dtype>.json: per-token |logprob diff| (mean, p50, p99,
 max), the importance ratio pi/mu (p1, p99, min, max) in both modes, and the router agreement
 (share of (sampled token, MoE layer) pairs whose trainer top-2 set equals the engine's).
+`--arch qwen3_vl` measures the dense model of the same family and size the same way (no routing:
+only the trainer's own forward), the baseline that shows how much of the MoE's mismatch is
+routing; it writes moe_routing_replay_<dtype>_dense.json.
 """
 from __future__ import annotations
 
@@ -39,7 +42,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--arch", default="qwen3_vl_moe", choices=["qwen3_vl_moe", "qwen3_vl"])
     args = ap.parse_args()
+    moe = args.arch == "qwen3_vl_moe"
 
     import numpy as np
     import ray
@@ -55,16 +60,16 @@ def main() -> None:
     from mmrl.trainer.plan import plan_forward_only
 
     work = REPO / "work"
-    model = work / f"bench-qwen3-vl-moe-{args.dtype}"
+    model = work / f"bench-{args.arch.replace('_', '-')}-{args.dtype}"
     if not (model / "config.json").exists():
-        build_tiny_vlm("qwen3_vl_moe", model, dtype=args.dtype)
+        build_tiny_vlm(args.arch, model, dtype=args.dtype)
     shards = work / "bench-moe-r3-colors"
     if not (shards / "heldout-000000.tar").exists():
         build_colors(shards, train_size=512, heldout_size=64, shard_size=512, seed=0)
     cfg = load_config(str(REPO / "configs" / "colors_demo.yaml"), [
         f"model.path={model}", f"model.dtype={args.dtype}", f"data.train_shards={shards}/train-000000.tar",
         f"data.heldout_shards={shards}/heldout-000000.tar", f"run.output_dir={work / 'bench-moe-r3-run'}",
-        "algorithm.routing_replay=rollout"])
+        f"algorithm.routing_replay={'rollout' if moe else 'off'}"])
     rt = start_runtime(cfg)
     try:
         samples = load_all(str(shards / "heldout-000000.tar"))[:args.prompts]
@@ -82,24 +87,25 @@ def main() -> None:
             lps = {i: lp for idx, rank in zip(order, per_rank) for i, lp in zip(idx, rank)}
             return np.concatenate([np.asarray(lps[i]) - np.asarray(s.behaviour_logprobs) for i, s in enumerate(seqs)])
 
-        result = {"dtype": args.dtype, "model": str(model), "without_r3": _stats(log_ratios(False)),
-                  "with_r3": _stats(log_ratios(True))}
-        # the router agreement of this rollout: the ranks' counts from a forward that only compares
-        from mmrl.controller.learn import make_sequences
-        from mmrl.trainer.plan import plan_updates
+        result = {"dtype": args.dtype, "arch": args.arch, "model": str(model), "without_r3": _stats(log_ratios(False))}
+        if moe:
+            result["with_r3"] = _stats(log_ratios(True))
+            # the router agreement of this rollout: the ranks' counts from a forward that only compares
+            from mmrl.controller.learn import make_sequences
+            from mmrl.trainer.plan import plan_updates
 
-        seqs = make_sequences(rollout.prompts, rollout.groups)
-        ray.get([t.set_lr.remote(0.0) for t in rt.trainers])  # measure only: the weights stay
-        stats = ray.get([t.train_step.remote(x) for t, x in
-                         zip(rt.trainers, plan_updates(seqs, world_size=len(rt.trainers), micro_batch_size=8))])
-        pairs = sum(s["router_pairs"] for s in stats)
-        result["router_agreement"] = sum(s["router_agree"] for s in stats) / pairs if pairs else None
-        result["router_pairs"] = pairs
+            seqs = make_sequences(rollout.prompts, rollout.groups)
+            ray.get([t.set_lr.remote(0.0) for t in rt.trainers])  # measure only: the weights stay
+            stats = ray.get([t.train_step.remote(x) for t, x in
+                             zip(rt.trainers, plan_updates(seqs, world_size=len(rt.trainers), micro_batch_size=8))])
+            pairs = sum(s["router_pairs"] for s in stats)
+            result["router_agreement"] = sum(s["router_agree"] for s in stats) / pairs if pairs else None
+            result["router_pairs"] = pairs
     finally:
         rt.close()
         ray.shutdown()
     print(json.dumps(result, indent=2))
-    out = REPO / "benchmarks" / "results" / f"moe_routing_replay_{args.dtype}.json"
+    out = REPO / "benchmarks" / "results" / f"moe_routing_replay_{args.dtype}{'' if moe else '_dense'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -176,3 +176,22 @@ def test_routing_replay_is_checked_against_the_backend_and_the_model(tmp_path) -
     with pytest.raises(ConfigError, match="not a mixture-of-experts"):
         _check_routing_replay(load("algorithm.routing_replay=rollout", f"model.path={dense}"), check_files=True)
     _check_routing_replay(load("algorithm.routing_replay=rollout", f"model.path={moe}"), check_files=True)
+
+
+def test_a_yaml_bool_given_for_an_enum_key_is_the_member_it_spells(tmp_path) -> None:
+    """YAML 1.1 reads a bare `off` as False: `algorithm.routing_replay=off` (documented) must still
+    load, from the command line and from a file; a bool that spells no member is still refused."""
+    import pytest
+
+    from mmrl.config.load import ConfigError, load_config
+
+    on_cli = load_config(None, ["algorithm.routing_replay=off"], check_files=False, check_plugins=False)
+    assert on_cli.algorithm.routing_replay.value == "off"
+    config = tmp_path / "c.yaml"
+    config.write_text("algorithm:\n  routing_replay: off\n")
+    assert load_config(str(config), [], check_files=False, check_plugins=False).algorithm.routing_replay.value == "off"
+    with pytest.raises(ConfigError, match="routing_replay"):  # True would be `on`, which is no member
+        load_config(None, ["algorithm.routing_replay=on"], check_files=False, check_plugins=False)
+    # interpolations are left for OmegaConf to resolve
+    config.write_text("run:\n  name: off-run\nalgorithm:\n  routing_replay: ${oc.env:MMRL_TEST_REPLAY,rollout}\n")
+    assert load_config(str(config), [], check_files=False, check_plugins=False).algorithm.routing_replay.value == "rollout"

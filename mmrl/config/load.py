@@ -101,6 +101,31 @@ def _merge_rewards(base: DictConfig, layer: DictConfig, where: str) -> None:
     base.rewards = entries
 
 
+# YAML 1.1 (which OmegaConf reads) turns a bare off/on/yes/no/true/false into a bool, so
+# `algorithm.routing_replay=off` would reach the schema as False. For an enum key, a bool means
+# the member spelled that way.
+_BOOL_SPELLINGS = {False: ("off", "no", "false"), True: ("on", "yes", "true")}
+
+
+def _bools_to_enum_members(node: Any, tp: Any) -> None:
+    """In a loaded layer, replace a bool given for an enum key by the enum member it spells."""
+    if not dataclasses.is_dataclass(tp) or not isinstance(node, DictConfig):
+        return
+    fields = _field_types(tp)
+    for key in list(node.keys()):
+        field = _unwrap(fields.get(str(key)))
+        if field is None or OmegaConf.is_interpolation(node, str(key)):
+            continue
+        value = node[key]
+        if isinstance(field, type) and issubclass(field, Enum) and isinstance(value, bool):
+            names = {m.value for m in field}
+            spelled = next((s for s in _BOOL_SPELLINGS[value] if s in names), None)
+            if spelled is not None:
+                node[key] = spelled
+        elif dataclasses.is_dataclass(field):
+            _bools_to_enum_members(value, field)
+
+
 def load_config(path: str | None, overrides: Sequence[str] = (), *, check_files: bool = True,
                 check_plugins: bool = True) -> Config:
     """Merge schema defaults <- YAML file <- overrides; validate; return a typed Config."""
@@ -123,6 +148,7 @@ def load_config(path: str | None, overrides: Sequence[str] = (), *, check_files:
         except OmegaConfBaseException as e:
             raise ConfigError(f"Could not parse overrides {list(overrides)}: {e}") from None
     for layer, where in layers:
+        _bools_to_enum_members(layer, Config)
         _merge_rewards(merged, layer, where)
         try:
             merged = OmegaConf.merge(merged, layer)
