@@ -82,7 +82,7 @@ def start_ranks(model_dir: Path, world_size: int, padding_free: bool, pad_id: in
     from mmrl.trainer.worker import TrainerSpec, make_trainer_actors, setup_ranks
     from mmrl.utils.env import engine_env
 
-    spec = TrainerSpec(model_path=str(model_dir), dtype="float32", world_size=world_size, master_addr="127.0.0.1",
+    spec = TrainerSpec(model_path=str(model_dir), dtype="float32", world_size=world_size,
                        device="cpu", lr=1e-5, betas=(0.9, 0.999),
                        weight_decay=0.0, grad_clip=1.0, deepspeed={}, temperature=1.0, forbidden_token_ids=[],
                        pad_token_id=pad_id, loss=LossSettings(), seed=0,

@@ -114,7 +114,7 @@ def test_vllm_takes_the_arguments_and_refuses_sleep_mode_off_cuda(tiny_model_dir
     (["cluster.device=cpu", "cluster.colocate=true"], r"'cluster.colocate' is true but this run's device is cpu.*needs CUDA"),
     (COLO + ["rollout.mode=async"], r"'cluster.colocate' is true with rollout.mode=async.*rollout.mode=sync"),
     (COLO + ["rollout.backend=trainer"], r"'cluster.colocate' is true with rollout.backend=trainer"),
-    (COLO + ["rollout.engine_args.tensor_parallel_size=2"], r"tensor_parallel_size x pipeline_parallel_size = 2"),
+    (COLO + ["rollout.engine_args.tensor_parallel_size=2"], r"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = 2"),
     (COLO + ["rollout.num_engines=3"], r"'rollout.num_engines' is 3 with cluster.colocate=true.*<= 2"),
     (COLO + ["rollout.engine_args.enable_sleep_mode=false"], r"'rollout.engine_args.enable_sleep_mode' is false"),
     (COLO + ["rollout.engine_args.gpu_memory_utilization=1.0"], r"give a fraction below 1"),

@@ -58,7 +58,7 @@ def trainer_rank(model_dir: Path, run_dir: Path, pad_id: int, **options: Any) ->
     from mmrl.utils.env import engine_env
 
     saved_env, threads = dict(os.environ), torch.get_num_threads()
-    spec = TrainerSpec(model_path=str(model_dir), dtype="float32", world_size=1, master_addr="127.0.0.1",
+    spec = TrainerSpec(model_path=str(model_dir), dtype="float32", world_size=1,
                        device="cpu", lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=1e6, deepspeed={},
                        temperature=1.0, forbidden_token_ids=[], pad_token_id=pad_id, loss=LossSettings(), seed=0,
                        env=engine_env(run_dir, "cpu"), **options)

@@ -25,6 +25,39 @@ def test_cpu_plan_of_the_demo() -> None:
     assert "total Ray resources requested: CPU=2" in format_plan(plan)
 
 
+@pytest.mark.parametrize("args, gpus", [([], 1), (["rollout.engine_args.tensor_parallel_size=2"], 2),
+                                         (["rollout.engine_args.tensor_parallel_size=2",
+                                           "rollout.engine_args.pipeline_parallel_size=2"], 4),
+                                         (["rollout.engine_args.tensor_parallel_size=2",
+                                           "rollout.engine_args.data_parallel_size=3"], 6)])
+def test_an_engine_reserves_every_gpu_vllm_will_use(args: list[str], gpus: int, tiny_model_dir: Path) -> None:
+    """tensor x pipeline parallel split one model over GPUs, data parallel runs copies of it: the
+    engine actor's reservation (and the memory plan's device count) covers them all."""
+    from mmrl.controller.memory_plan import memory_plan
+
+    cfg = load_config(DEMO, [f"model.path={tiny_model_dir}", "rollout.num_engines=2", *args], check_files=False)
+    engines = [p for p in placement_plan(cfg, "cuda") if p.role == "rollout"]
+    assert [p.ray_options()["num_gpus"] for p in engines] == [float(gpus)] * 2
+    assert f"GPU x{gpus}" in engines[0].work
+    plan = memory_plan(cfg, "cuda", 80.0)
+    assert plan.devices_needed == 2 * gpus + cfg.trainer.world_size
+
+
+def test_data_parallel_copies_hold_the_whole_split_and_share_the_prompts(tiny_model_dir: Path) -> None:
+    from mmrl.controller.memory_plan import memory_plan
+
+    def engine_terms(*args: str) -> dict[str, float]:
+        cfg = load_config(DEMO, [f"model.path={tiny_model_dir}", "rollout.prompts_per_step=4", *args],
+                          check_files=False)
+        return {t.key: t.bytes for t in memory_plan(cfg, "cuda").loads[0].terms}
+
+    one, tp2, dp2 = engine_terms(), engine_terms("rollout.engine_args.tensor_parallel_size=2"), \
+        engine_terms("rollout.engine_args.data_parallel_size=2")
+    assert tp2["engine_weights"] == one["engine_weights"] / 2 and dp2["engine_weights"] == one["engine_weights"]
+    # half the sequences in flight per copy (unknown GPU memory: the KV cache is what the rollout needs)
+    assert dp2["kv_cache"] == one["kv_cache"] / 2 and tp2["kv_cache"] == one["kv_cache"] / 2
+
+
 def test_reward_workers_can_take_a_gpu_share_on_cuda() -> None:
     cfg = load_config(DEMO, ["reward_execution.num_workers=2", "reward_execution.num_gpus=0.25",
                              "reward_execution.num_cpus=1"], check_files=False)

@@ -44,6 +44,16 @@ USER_REWARDS = textwrap.dedent("""
             os._exit(3)
         return 1.0
 
+    def held_once(response, sample, calls_dir, hold_key, **_):
+        # one line per call; the first call for hold_key waits (for the test's kill) until released
+        path = os.path.join(calls_dir, sample.key)
+        with open(path, "a") as f:
+            f.write("call\\n")
+        if sample.key == hold_key and open(path).read().count("call") == 1:
+            while not os.path.exists(os.path.join(calls_dir, "release")):
+                time.sleep(0.05)
+        return {"score": 1.0 if response == sample.answer else 0.0}
+
     def gil_hog(sample, bad_keys=(), **_):
         if sample.key in bad_keys:  # catastrophic backtracking: holds the GIL for ages
             re.match(r"(a+)+$", "a" * 64 + "b")
@@ -204,6 +214,41 @@ def test_dead_or_gil_blocked_worker_loses_only_its_group(env):
         report = pool.score(samples[:2], groups, decode=_decode)
         assert report.timeouts_by_reward == {WORKER: 1} and report.failures[0].key == samples[0].key
         assert groups[1][0].reward == 1.0
+
+
+@pytest.mark.timeout(600)  # a hang guard only: the steps below wait on files and actor states, not clocks
+def test_a_worker_killed_from_outside_mid_group_loses_and_repeats_no_sample(env, tmp_path):
+    """A reward worker killed while it scores a group (as the OOM killer or a node loss would): the
+    pool replaces it, scores the group it was running again on a fresh worker and the groups queued
+    behind it elsewhere; every group gets exactly one result, with the right scores, none lost."""
+    import time
+
+    from mmrl.rewards.workers import RewardPool
+
+    samples = env["samples"][:6]
+    hold = samples[1].key
+    entries = [{"name": f"{env['plugin']}:held_once", "args": {"calls_dir": str(tmp_path), "hold_key": hold}}]
+    with RewardPool(entries, num_workers=2, timeout_s=None) as pool:
+        answers = [s.answer if i % 2 == 0 else _wrong(s.answer) for i, s in enumerate(samples)]
+        handles = [pool.submit(s, [a]) for s, a in zip(samples, answers)]
+        held = next(h for h in handles if h.key == hold)
+        while not (tmp_path / hold).exists():  # the held group is running on its worker
+            pool.poll()
+            time.sleep(0.05)
+        behind = [h.key for h in pool._state_of(held.actor).queue if h is not held]
+        ray.kill(held.actor, no_restart=True)
+        (tmp_path / "release").touch()  # nothing else waits: the retry of `hold` runs through
+        results = pool.collect(handles)
+        assert pool.replaced == 1
+    assert [r.key for r in results] == [s.key for s in samples]  # one result per group, in order
+    assert all(r.keep and not r.failures for r in results)
+    assert [r.scores[0]["score"] for r in results] == [1.0 if i % 2 == 0 else 0.0 for i in range(6)]
+    calls = {s.key: (tmp_path / s.key).read_text().count("call") for s in samples}
+    assert calls[hold] == 2  # scored again after the kill, its one result from the second run
+    # the rest were scored once, or twice where the kill found them queued behind the held group
+    # (a queued group may have started; none is counted twice in the results above)
+    assert all(calls[k] == 1 for k in calls if k != hold and k not in behind), (calls, behind)
+    assert all(calls[k] in (1, 2) for k in behind), (calls, behind)
 
 
 def test_reward_file_that_does_not_import_in_workers_fails_clearly(env, tmp_path):

@@ -365,10 +365,12 @@ def _check_colocate(cfg: Config) -> None:
                           "beside training, so the engines cannot sleep while the ranks train. Use "
                           "rollout.mode=sync with colocation, or cluster.colocate=false for async rollout.")
     args = ro.engine_args
-    tp = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
-    if tp != 1:
+    from mmrl.controller.placement import engine_devices
+
+    _, gpus = engine_devices(args)
+    if gpus != 1:
         raise ConfigError(f"Config key 'cluster.colocate' is true with rollout.engine_args tensor_parallel_size x "
-                          f"pipeline_parallel_size = {tp}: colocation places one single-GPU engine beside each "
+                          f"pipeline_parallel_size x data_parallel_size = {gpus}: colocation places one single-GPU engine beside each "
                           f"trainer rank. Use tensor_parallel_size=1 (and rollout.num_engines up to "
                           f"trainer.world_size), or cluster.colocate=false.")
     if ro.num_engines > cfg.trainer.world_size:

@@ -202,7 +202,7 @@ def start_runtime(cfg: Config) -> Runtime:
     lora = cfg.trainer.lora
     spec = TrainerSpec(
         model_path=cfg.model.path, dtype=cfg.model.dtype.value, world_size=cfg.trainer.world_size,
-        master_addr="127.0.0.1", device=device, lr=cfg.trainer.lr,
+        device=device, lr=cfg.trainer.lr,
         betas=(cfg.trainer.betas[0], cfg.trainer.betas[1]), weight_decay=cfg.trainer.weight_decay,
         grad_clip=cfg.trainer.grad_clip, deepspeed=dict(cfg.trainer.deepspeed),
         temperature=cfg.rollout.temperature, forbidden_token_ids=forbidden, pad_token_id=processor.pad_token_id,
@@ -224,7 +224,7 @@ def start_runtime(cfg: Config) -> Runtime:
         starting.update({e.ready.remote(): "engines" for e in engines})
     # The ranks start now (DeepSpeed's start takes seconds), while the reward pool below waits
     # for its workers and the rollout workers come up.
-    rank_setups, rendezvous_port = setup_ranks(trainers)
+    rank_setups, rendezvous = setup_ranks(trainers)
     starting.update({ref: "trainer_ranks" for ref in rank_setups})
     # Model-based rewards (clip_score, vlm_judge) load their model when a worker starts, while
     # the engines and trainer ranks start too: give the workers time on a small CPU box.
@@ -249,7 +249,7 @@ def start_runtime(cfg: Config) -> Runtime:
     rt = Runtime(cfg=cfg, run_dir=run_dir, device=device, processor=processor, rewards=rewards,
                  sampling=sampling, engines=engines, workers=workers, trainers=trainers,
                  monitor=EngineMonitor(engines), cpu_clock=None if cfg.cluster.ray_address else ProcessTreeClock(),
-                 startup=startup, rendezvous=(spec.master_addr, ray.get(rendezvous_port)), ranks=ranks,
+                 startup=startup, rendezvous=tuple(ray.get(rendezvous)), ranks=ranks,
                  engine_restarts=engine_restarts)
     if engine_restarts is not None:
         engine_restarts.runtime = rt

@@ -31,7 +31,8 @@ bytes in bfloat16, 4 in float32):
 tokens per micro-batch = micro_batch_size x (max_prompt_tokens + max_new_tokens), capped by
 trainer.max_tokens_per_micro_batch (a sequence longer than the cap is a micro-batch alone).
 
-rollout engine (per device of its tensor_parallel_size):
+rollout engine (per device; tp = tensor_parallel_size x pipeline_parallel_size, the devices the
+model is split over; data_parallel_size copies of that each take a share of the prompts):
   weights       P x b / tp
   KV cache      on CUDA with known memory: what gpu_memory_utilization x memory leaves after the
                 weights and the runtime reserve (vLLM sizes it so); otherwise what the rollout
@@ -273,14 +274,17 @@ def engine_load(cfg: Config, shape: ModelShape, device: str, memory: float | Non
     from mmrl.rollout.engine import DEFAULT_ENGINE_ARGS
 
     args = {**DEFAULT_ENGINE_ARGS, **{k: v for k, v in cfg.rollout.engine_args.items() if v is not None}}
-    tp = int(args.get("tensor_parallel_size", 1))
+    from mmrl.controller.placement import engine_devices
+
+    tp, devices = engine_devices(args)  # tp: the model's split (tensor x pipeline); devices: x data parallel
+    replicas = devices // tp
     b = _bytes_of(args.get("dtype", cfg.model.dtype.value))
     kv_b = 1 if str(args.get("kv_cache_dtype", "auto")).startswith("fp8") else b
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * kv_b / tp
     weights = shape.params * b / tp
     seq_tokens = min(int(args["max_model_len"]), cfg.processor.max_prompt_tokens + cfg.rollout.max_new_tokens)
     in_flight = min(int(args.get("max_num_seqs", VLLM_DEFAULT_MAX_NUM_SEQS)), cfg.rollout.max_requests_per_engine,
-                    math.ceil(cfg.rollout.prompts_per_step / cfg.rollout.num_engines) * cfg.rollout.group_size)
+                    math.ceil(cfg.rollout.prompts_per_step / cfg.rollout.num_engines / replicas) * cfg.rollout.group_size)
     needed = in_flight * seq_tokens * per_token
     terms = [Term("engine_weights", "weights", weights, f"{_b(shape.params)} params x {b} B / tp {tp}")]
     notes: list[str] = []
@@ -305,8 +309,9 @@ def engine_load(cfg: Config, shape: ModelShape, device: str, memory: float | Non
             if one_sequence <= left < needed:
                 notes.append(f"the KV cache holds {left / one_sequence:.0f} of the {in_flight} sequences in flight "
                              f"at full length; the others wait until space frees")
-    role = "rollout engine" + (f" (per device of its {tp})" if tp > 1 else "")
-    load = DeviceLoad(role, cfg.rollout.num_engines, terms, capacity, notes=notes)
+    role = "rollout engine" + (f" (per device of its {tp})" if tp > 1 else "") \
+        + (f" (each of {replicas} data-parallel copies)" if replicas > 1 else "")
+    load = DeviceLoad(role, cfg.rollout.num_engines * devices, terms, capacity, notes=notes)
     if capacity is not None:
         load.capacity_detail = f" (gpu_memory_utilization x {memory / GIB:g} GiB)"
     return load
@@ -409,7 +414,7 @@ def memory_plan(cfg: Config, device: str, memory_gib: float | None = None, shape
     elif cfg.rollout.backend.value == "vllm":
         engine = engine_load(cfg, shape, device, memory)
         loads.insert(0, engine)
-        engines = cfg.rollout.num_engines * int(cfg.rollout.engine_args.get("tensor_parallel_size", 1))
+        engines = engine.count
     return MemoryPlan(device, memory_gib if device == "cuda" else None, shape, trainable_params(cfg, shape),
                       loads, engines + cfg.trainer.world_size)
 

@@ -50,6 +50,18 @@ class Placement:
         return opts
 
 
+def engine_devices(engine_args: dict[str, Any]) -> tuple[int, int]:
+    """(devices one engine's model is split over, devices one engine uses): vLLM splits the model
+    over tensor_parallel_size x pipeline_parallel_size GPUs and runs data_parallel_size copies of
+    that, so an engine actor reserves all of them."""
+    def size(key: str) -> int:
+        value = engine_args.get(key)
+        return int(value) if value is not None else 1
+
+    split = size("tensor_parallel_size") * size("pipeline_parallel_size")
+    return split, split * size("data_parallel_size")
+
+
 def colocated(cfg: Config, device: str) -> bool:
     """Engines share the trainer ranks' GPUs (cluster.colocate; load refuses it off CUDA)."""
     return cfg.cluster.colocate and device == "cuda" and cfg.rollout.backend.value == "vllm"
@@ -65,7 +77,7 @@ def placement_strategy(cfg: Config, device: str) -> str | None:
 def placement_plan(cfg: Config, device: str) -> list[Placement]:
     gpu = device == "cuda"
     colo = colocated(cfg, device)
-    tp = int(cfg.rollout.engine_args.get("tensor_parallel_size", 1))
+    _, engine_gpus = engine_devices(cfg.rollout.engine_args)
     plan = [Placement("driver", 0, {"CPU": 0.0},
                       f"controller loop ({cfg.rollout.mode.value} rollout), shard stream "
                       f"({cfg.data.num_workers} loader workers), reward streaming, metrics")]
@@ -76,9 +88,9 @@ def placement_plan(cfg: Config, device: str) -> list[Placement]:
     for i in range(cfg.rollout.num_engines if cfg.rollout.backend.value == "vllm" else 0):
         res = {"CPU": cfg.cluster.rollout_cpus_per_engine}
         if gpu:
-            res["GPU"] = COLOCATED_ENGINE_GPU if colo else float(tp)
+            res["GPU"] = COLOCATED_ENGINE_GPU if colo else float(engine_gpus)
         plan.append(Placement("rollout", i, res,
-                              f"vLLM AsyncLLM engine ({'GPU x%d' % tp if gpu else 'CPU'}), "
+                              f"vLLM AsyncLLM engine ({'GPU x%d' % engine_gpus if gpu else 'CPU'}), "
                               f"~{-(-cfg.rollout.prompts_per_step // cfg.rollout.num_engines)} prompts/step "
                               f"x n={cfg.rollout.group_size}"
                               + (f"; colocated: shares trainer/{i}'s GPU, sleeps while it trains" if colo else "")))

@@ -230,10 +230,9 @@ class RewardPool:
     def _deadline(self, h: RewardHandle) -> float | None:
         """When the worker running `h` (its first queued group) is declared stuck."""
         state = self._state_of(h.actor)
-        if h.head_since is None or state is None or state.ready_at is None:
-            return None  # queued behind another group, or its worker is still starting
-        per_call = self.timeout_s if self.timeout_s is not None else float("inf")
-        return max(h.head_since, state.ready_at) + per_call * h.n_calls + self.grace_s
+        if h.head_since is None or state is None or state.ready_at is None or self.timeout_s is None:
+            return None  # queued behind another group, its worker is still starting, or no timeout
+        return max(h.head_since, state.ready_at) + self.timeout_s * h.n_calls + self.grace_s
 
     def _finish(self, ref: Any) -> None:
         """A finished ref: record its answer, or handle the death of its worker."""

@@ -25,7 +25,7 @@ from mmrl.serve.trainer import (AdamStep, UserInputError, add_lora, batch_loss, 
                                 lora_targets, micro_batches, prompt_logprobs)
 from mmrl.trainer.deepspeed_config import build_deepspeed_config
 from mmrl.trainer.worker import (join_process_group, leave_process_group, load_pretrained, open_rendezvous_store,
-                                 prepare_rank_process, setup_ranks, vision_aligned)
+                                 prepare_rank_process, rendezvous_address, setup_ranks, vision_aligned)
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -37,7 +37,6 @@ class RankSpec:
     model_path: str
     dtype: str
     world_size: int
-    master_addr: str
     device: str  # cpu | cuda
     targets: list[str]  # full names of the adapted linear layers (lora_targets, on the driver)
     lora_rank: int
@@ -75,21 +74,23 @@ class LoraRank:
         from mmrl.processors.base import processor_class
 
         self.rank, self.spec = rank, spec
-        prepare_rank_process(rank, spec.world_size, spec.master_addr, spec.env, spec.device, spec.seed)
+        prepare_rank_process(rank, spec.world_size, spec.env, spec.device, spec.seed)
         self.adapter = processor_class(spec.processor, spec.model_path, spec.trust_remote_code)
         self.engine: Any = None
 
-    def open_rendezvous(self) -> int:
-        self._store = open_rendezvous_store(self.spec.master_addr, self.spec.world_size)
-        return self._store.port
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
-    def setup(self, master_port: int) -> dict[str, Any]:
+    def open_rendezvous(self, *nodes: str) -> tuple[str, int]:  # as TrainerWorker's
+        self._store = open_rendezvous_store(rendezvous_address(nodes), self.spec.world_size)
+        return self._store.host, self._store.port
+
+    def setup(self, rendezvous: tuple[str, int], *nodes: str) -> dict[str, Any]:
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
 
         spec = self.spec
-        join_process_group(self.rank, spec.world_size, spec.master_addr, master_port, spec.device,
-                           getattr(self, "_store", None))
+        join_process_group(self.rank, spec.world_size, rendezvous, spec.device, nodes, getattr(self, "_store", None))
         # clipping is per optim_step (the request's grad_clip_norm, set on the optimizer each step)
         ds_config = build_deepspeed_config(grad_clip=0.0, bf16=spec.dtype == "bfloat16", user=spec.deepspeed)
         self._hf_ds_config = HfDeepSpeedConfig(ds_config)  # alive while loading: zero.Init partitions
@@ -251,8 +252,7 @@ class DeepSpeedLoraTrainer:
         self.world_size, self.device, self.steps = world_size, device, 0
         self._has_gradients = False  # a backward ran since the last step or load
         self.rendezvous: tuple[str, int] | None = None
-        spec = RankSpec(model_path=model_path, dtype=dtype, world_size=world_size, master_addr="127.0.0.1",
-                        device=device, targets=targets, lora_rank=rank, alpha=self.alpha,
+        spec = RankSpec(model_path=model_path, dtype=dtype, world_size=world_size, device=device, targets=targets, lora_rank=rank, alpha=self.alpha,
                         seed=seed if seed is not None else random.getrandbits(31), train_projector=train_projector,
                         train_vision=train_vision, deepspeed=dict(deepspeed or {}), env=dict(env or {}),
                         processor=processor, trust_remote_code=trust_remote_code)
@@ -260,8 +260,8 @@ class DeepSpeedLoraTrainer:
         actor = ray.remote(LoraRank)
         self.ranks = [actor.options(**options).remote(r, spec) for r in range(world_size)]
         try:
-            setups, port = setup_ranks(self.ranks)
-            self.rendezvous = (spec.master_addr, ray.get(port))
+            setups, rendezvous = setup_ranks(self.ranks)
+            self.rendezvous = tuple(ray.get(rendezvous))
             ray.get(setups)
         except BaseException:
             self.close()

@@ -36,7 +36,6 @@ class TrainerSpec:
     model_path: str
     dtype: str
     world_size: int
-    master_addr: str  # where rank 0 listens for the others (its port is picked by rank 0: open_rendezvous)
     device: str  # "cpu" | "cuda"
     lr: float
     betas: tuple[float, float]
@@ -68,7 +67,7 @@ class TrainerSpec:
 class TrainerWorker:
     def __init__(self, rank: int, spec: TrainerSpec):
         self.rank, self.spec = rank, spec
-        prepare_rank_process(rank, spec.world_size, spec.master_addr, spec.env, spec.device, spec.seed + rank)
+        prepare_rank_process(rank, spec.world_size, spec.env, spec.device, spec.seed + rank)
         self.engine: Any = None
         from mmrl.processors.base import processor_class
 
@@ -77,17 +76,22 @@ class TrainerWorker:
         # for this rank's share of the next update, consumed by train_step
         self._kept: dict[int, dict[str, list[float]]] = {}
 
-    def open_rendezvous(self) -> int:
-        """Rank 0: listen for the other ranks on a port the kernel picks in this process, and
-        return it. A port picked elsewhere and bound here later can be taken in between (Ray
-        starts workers and servers meanwhile): the run then died with EADDRINUSE."""
-        assert self.rank == 0, "the rendezvous is rank 0's"
-        self._store = open_rendezvous_store(self.spec.master_addr, self.spec.world_size)
-        return self._store.port
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (rank 0 picks the rendezvous address from them all)."""
+        return ray.get_runtime_context().get_node_id()
 
-    def setup(self, master_port: int) -> dict[str, Any]:
-        """Join the process group at rank 0's rendezvous (`open_rendezvous`), then build the
-        ZeRO-3 engine(s)."""
+    def open_rendezvous(self, *nodes: str) -> tuple[str, int]:
+        """Rank 0: listen for the other ranks on a port the kernel picks in this process, and
+        return (address, port). A port picked elsewhere and bound here later can be taken in
+        between (Ray starts workers and servers meanwhile): the run then died with EADDRINUSE.
+        `nodes`: every rank's node id (`node_id`), for the address (`rendezvous_address`)."""
+        assert self.rank == 0, "the rendezvous is rank 0's"
+        self._store = open_rendezvous_store(rendezvous_address(nodes), self.spec.world_size)
+        return self._store.host, self._store.port
+
+    def setup(self, rendezvous: tuple[str, int], *nodes: str) -> dict[str, Any]:
+        """Join the process group at rank 0's rendezvous (`open_rendezvous`; `nodes` as there),
+        then build the ZeRO-3 engine(s)."""
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
 
@@ -95,8 +99,7 @@ class TrainerWorker:
 
         t0 = time.time()
         spec = self.spec
-        join_process_group(self.rank, spec.world_size, spec.master_addr, master_port, spec.device,
-                           getattr(self, "_store", None))
+        join_process_group(self.rank, spec.world_size, rendezvous, spec.device, nodes, getattr(self, "_store", None))
         ds_config = build_deepspeed_config(grad_clip=spec.grad_clip, bf16=spec.dtype == "bfloat16", user=spec.deepspeed)
         # Kept alive while the models are built: from_pretrained then partitions the weights
         # across ranks as they load (zero.Init) instead of materialising the full model per rank.
@@ -136,7 +139,8 @@ class TrainerWorker:
         n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
         self._setup_info = {"rank": self.rank, "setup_s": time.time() - t0, "params": n_params,
                             "trainable": n_trainable, "frozen_vision_tensors": len(frozen), "pid": os.getpid(),
-                            "node": ray.util.get_node_ip_address()}
+                            "node": ray.util.get_node_ip_address(), "local_rank": int(os.environ["LOCAL_RANK"]),
+                            "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"])}
         return self._setup_info
 
     def setup_info(self) -> dict[str, Any]:
@@ -428,12 +432,11 @@ class TrainerWorker:
 
 
 # ---- a ZeRO-3 rank's set-up, shared with the serve's ranks (mmrl/serve/ranks.py) -------------------
-def prepare_rank_process(rank: int, world_size: int, master_addr: str, env: dict[str, str], device: str,
-                         seed: int) -> None:
-    """The process environment of rank `rank` (before anything imports DeepSpeed)."""
+def prepare_rank_process(rank: int, world_size: int, env: dict[str, str], device: str, seed: int) -> None:
+    """The process environment of rank `rank` (before anything imports DeepSpeed); where the
+    group meets is set when it joins (`join_process_group`)."""
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
     if device == "cpu":
         # ranks share the machine's cores; one thread each avoids oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
@@ -441,6 +444,29 @@ def prepare_rank_process(rank: int, world_size: int, master_addr: str, env: dict
     # DeepSpeed's ZeRO-3 collectives call torch.distributed names that torch has deprecated;
     # nothing a user can act on, and Ray repeats the warning on the console every step.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+# Where the ranks meet when they all run on rank 0's node: loopback needs no routable address.
+LOOPBACK = "127.0.0.1"
+
+
+def rendezvous_address(nodes: Sequence[str], node_ip: str | None = None) -> str:
+    """The address rank 0 listens on: loopback when every rank runs on rank 0's node (`nodes[0]`;
+    also when nothing is known, as for a rank built in-process), else rank 0's node address, which
+    ranks on other nodes can reach (ZeRO-3 across nodes; `node_ip` defaults to Ray's)."""
+    if not nodes or all(n == nodes[0] for n in nodes):
+        return LOOPBACK
+    return node_ip or ray.util.get_node_ip_address()
+
+
+def local_rank(rank: int, nodes: Sequence[str], device: str) -> tuple[int, int]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) of `rank`: its place among the ranks on its node. On CUDA
+    each rank's actor sees only its own GPU (Ray sets CUDA_VISIBLE_DEVICES), so its device, which
+    DeepSpeed selects by LOCAL_RANK, is 0 whatever its place: rank r on device r would not exist."""
+    if not nodes:
+        return (0 if device == "cuda" else rank), 1
+    mine = [r for r, n in enumerate(nodes) if n == nodes[rank]]
+    return (0 if device == "cuda" else mine.index(rank)), len(mine)
 
 
 def open_rendezvous_store(master_addr: str, world_size: int) -> Any:
@@ -452,15 +478,21 @@ def open_rendezvous_store(master_addr: str, world_size: int) -> Any:
                                       timeout=default_pg_timeout)
 
 
-def join_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
-                       store: Any = None) -> None:
-    """Join the ranks' process group at rank 0's rendezvous (rank 0 passes its `store`) and hand it
-    to DeepSpeed."""
+def join_process_group(rank: int, world_size: int, rendezvous: tuple[str, int], device: str,
+                       nodes: Sequence[str] = (), store: Any = None) -> None:
+    """Join the ranks' process group at rank 0's rendezvous (address, port; rank 0 passes its
+    `store`) and hand it to DeepSpeed. `nodes`: every rank's node id, for LOCAL_RANK."""
     import deepspeed
     from torch.distributed.constants import default_pg_timeout
 
     backend = "nccl" if device == "cuda" else "gloo"
-    os.environ["MASTER_PORT"] = str(master_port)
+    master_addr, master_port = rendezvous
+    local, local_world = local_rank(rank, nodes, device)
+    # MASTER_ADDR/PORT also name DeepSpeed's CPU all-reduce buffers (utils/env.py: cleanup_shm)
+    os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "LOCAL_RANK": str(local),
+                       "LOCAL_WORLD_SIZE": str(local_world)})
+    if device == "cpu" and nodes:  # the cores are shared by the ranks on this node only
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // local_world))
     if rank != 0:
         store = torch.distributed.TCPStore(master_addr, master_port, world_size, is_master=False,
                                            timeout=default_pg_timeout)
@@ -519,8 +551,10 @@ def make_trainer_actors(spec: TrainerSpec, options: dict[str, Any] | Sequence[di
 
 
 def setup_ranks(ranks: Sequence[Any]) -> tuple[list[Any], Any]:
-    """Start every rank's setup without waiting: rank 0 opens the rendezvous and its port
-    reaches the others as an object ref, so the driver goes on while the ranks start. Returns
-    the setups' refs and the port's ref (with the address it names the ranks' shm buffers)."""
-    port = ranks[0].open_rendezvous.remote()
-    return [r.setup.remote(port) for r in ranks], port
+    """Start every rank's setup without waiting: the ranks' node ids reach rank 0, which opens
+    the rendezvous, and its (address, port) reaches the others, all as object refs, so the driver
+    goes on while the ranks start. Returns the setups' refs and the rendezvous' ref (it also
+    names the ranks' shm buffers)."""
+    nodes = [r.node_id.remote() for r in ranks]
+    rendezvous = ranks[0].open_rendezvous.remote(*nodes)
+    return [r.setup.remote(rendezvous, *nodes) for r in ranks], rendezvous
