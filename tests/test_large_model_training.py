@@ -58,7 +58,8 @@ def trainer_rank(model_dir: Path, run_dir: Path, pad_id: int, **options: Any) ->
     from mmrl.utils.env import engine_env
 
     saved_env, threads = dict(os.environ), torch.get_num_threads()
-    spec = TrainerSpec(model_path=str(model_dir), dtype="float32", world_size=1,
+    options = {"dtype": "float32", **options}
+    spec = TrainerSpec(model_path=str(model_dir), world_size=1,
                        device="cpu", lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=1e6, deepspeed={},
                        temperature=1.0, forbidden_token_ids=[], pad_token_id=pad_id, loss=LossSettings(), seed=0,
                        env=engine_env(run_dir, "cpu"), **options)
@@ -154,6 +155,40 @@ def test_frozen_projector_and_lora(tiny_model_dir: Path, tmp_path: Path) -> None
     changed = [n for n in after if not torch.equal(before[n], after[n])]
     assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) and ".language_model." in n
                            for n in changed), changed
+
+
+def test_a_bfloat16_rank_trains_bf16_weights_from_fp32_master_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """model.dtype=bfloat16 (what a 7B run uses): the module's weights are bf16, DeepSpeed keeps the
+    optimizer's master copy in fp32 and the module's weights are that copy rounded to bf16. Adam
+    steps smaller than bf16's spacing still add up in the master copy: one Adam step at lr 1e-5 is
+    below the spacing of bf16 near the weights' ~0.02 scale (~8e-5) and moves few bf16 weights,
+    yet it moved (nearly) every fp32 master element."""
+    seqs, pad_id = _sequences(tiny_model_dir)
+    inputs = plan_updates(seqs, world_size=1, micro_batch_size=4)[0]
+    with trainer_rank(tiny_model_dir, tmp_path, pad_id, dtype="bfloat16") as rank:
+        module, optimizer = rank.engine.module, rank.engine.optimizer
+        assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+        masters = optimizer.fp32_partitioned_groups_flat
+        assert masters and {m.dtype for m in masters} == {torch.float32}
+        before_master = [m.detach().clone() for m in masters]
+        before = rank.full_state_dict()
+        rank.set_lr(1e-5)
+        stats = rank.train_step(inputs)
+        after = rank.full_state_dict()
+        assert np.isfinite(stats["pg_loss"]) and stats["skipped_updates"] == 0
+        moved = sum(int((a != b).sum()) for a, b in zip(masters, before_master))
+        assert moved > 0.5 * sum(m.numel() for m in masters)  # Adam moves every trained element
+        # the bf16 weights are the rounded masters: few changed at all after this small step
+        flat_after = torch.cat([t.flatten() for t in after.values()])
+        flat_before = torch.cat([t.flatten() for t in before.values()])
+        assert flat_after.dtype == torch.bfloat16
+        changed = int((flat_after != flat_before).sum())
+        print(f"bf16 weights changed by one step: {changed} of {flat_after.numel()}; fp32 masters moved: {moved}")
+        assert changed < 0.5 * flat_after.numel(), (changed, flat_after.numel())
+        # the module's weights (its bf16 partitions) are the master copy rounded to bf16
+        bf16_flat = optimizer.fp16_partitioned_groups_flat
+        assert [b.numel() for b in bf16_flat] == [m.numel() for m in masters]
+        assert all(torch.equal(b, m.to(torch.bfloat16)) for b, m in zip(bf16_flat, masters))
 
 
 def _loss_and_grads(model: torch.nn.Module, seqs: list[TrainSequence], pad_id: int) -> tuple[float, dict]:
