@@ -119,15 +119,22 @@ def main() -> None:
             sync_s = statistics.median(r["time/weight_sync_s"] for r in steps)
             apply_s = statistics.median(r["weight_sync/apply_s"] for r in steps)
             staged = max(r.get("weight_sync/engine_peak_staged_mb", float("nan")) for r in steps)
+            # rank 0's parts of the sync (trainer/worker.py::sync_weights), medians; the rest of
+            # time/weight_sync_s is the driver's call into the ranks
+            parts = {p: statistics.median(r[f"weight_sync/{p}"] for r in steps)
+                     for p in ("gather_s", "copy_s", "send_s", "finish_s") if f"weight_sync/{p}" in steps[-1]}
             row = {"transport": transport, "world_size": ws, "mb": mb, "buckets": steps[-1]["weight_sync/buckets"],
                    "steps": len(steps), "sync_s": sync_s, "apply_s": apply_s, "gather_send_s": sync_s - apply_s,
                    "copy_s": copy_s, "sync_over_copy": sync_s / copy_s, "apply_over_copy": apply_s / copy_s,
-                   "engine_peak_staged_mb": staged}
+                   "engine_peak_staged_mb": staged, "parts": parts,
+                   "parts_over_copy": {p: v / copy_s for p, v in parts.items()}}
             results.append(row)
             print(f"{transport}, world size {ws}: {mb:.0f} MB in {row['buckets']:.0f} buckets; sync {sync_s:.3f} s "
                   f"(engine paused/loading {apply_s:.3f} s); engine staged at most {staged:.1f} MB; "
                   f"plain copy {copy_s * 1e3:.1f} ms; sync / copy = {row['sync_over_copy']:.0f}x "
                   f"(goal <= 3x)", flush=True)
+            print("   parts (x the copy): " + ", ".join(f"{p} {v:.3f} s ({v / copy_s:.1f}x)" for p, v in parts.items())
+                  + f"; of finish, the engines' load {apply_s:.3f} s ({apply_s / copy_s:.1f}x)", flush=True)
     (out / "weight_sync.json").write_text(json.dumps(
         {"model": str(model.relative_to(REPO)), "parameters": params, "bucket_mb": args.bucket_mb,
          "command": "benchmarks/weight_sync.py " + " ".join(sys.argv[1:]), "results": results}, indent=1))

@@ -57,6 +57,9 @@ def test_demo_config_learns(demo_run: tuple[Path, str]) -> None:
     # the sync's split: the engines' load is part of the step's sync time, the whole model every step
     assert all(0 < r["weight_sync/apply_s"] <= r["time/weight_sync_s"] and r["weight_sync/buckets"] >= 1
                and r["weight_sync/mb"] > 1 for r in steps)
+    # rank 0's parts of it, each timed once: together no more than the whole
+    parts = ("gather_s", "copy_s", "send_s", "finish_s")
+    assert all(sum(r[f"weight_sync/{p}"] for p in parts) <= r["time/weight_sync_s"] for r in steps)
     # the engine's own counters (rollout/engine_<i>/*): it generated, it was busy part of the step
     assert all(r["rollout/engine_0/tokens_per_busy_s"] > 0 and 0 < r["rollout/engine_0/idle_share"] < 1
                and r["rollout/engine_0/requests_in_flight_peak"] >= 1 for r in steps)

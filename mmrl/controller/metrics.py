@@ -80,4 +80,9 @@ def weight_sync_metrics(sync: dict[str, float]) -> dict[str, float]:
         out.update({"weight_sync/apply_s": sync["apply_s"], "weight_sync/buckets": sync["buckets"]})
     if "engine_peak_staged_mb" in sync:  # the most an engine held staged at once (weight_sync.transport)
         out["weight_sync/engine_peak_staged_mb"] = sync["engine_peak_staged_mb"]
+    # rank 0's parts of the sync: gathers, copies into full tensors, the transport's send, and
+    # the wait for the engines to take the last buckets and load (finish_s, apply_s inside it)
+    for part in ("gather_s", "copy_s", "send_s", "finish_s"):
+        if part in sync:
+            out[f"weight_sync/{part}"] = sync[part]
     return out

@@ -355,13 +355,24 @@ class TrainerWorker:
         t0 = time.time()
         sender = self._weight_sender(engines, transport, timeout_s) if self.rank == 0 else None
         sent_bytes, n_buckets = 0, 0
+        # where the seconds go (weight_sync/*_s): the ZeRO-3 gathers and re-partitions, the copy
+        # into full tensors under the engine's names, the transport's send
+        spent = {"gather_s": 0.0, "copy_s": 0.0, "send_s": 0.0}
         try:
             for bucket in buckets(weight_units(self.engine.module), bucket_mb):
                 n_buckets += 1
+                t_bucket = time.perf_counter()
                 with deepspeed.zero.GatheredParameters([p for u in bucket for p in u.params], modifier_rank=None):
+                    t_gathered = time.perf_counter()
                     if sender is not None:
-                        sent_bytes += sender.send({self.adapter.engine_weight_name(n): self.adapter.engine_weight_tensor(n, t)
-                                                   for u in bucket for n, t in u.tensors(sender.device).items()})
+                        tensors = {self.adapter.engine_weight_name(n): self.adapter.engine_weight_tensor(n, t)
+                                   for u in bucket for n, t in u.tensors(sender.device).items()}
+                        t_copied = time.perf_counter()
+                        sent_bytes += sender.send(tensors)
+                        spent["copy_s"] += t_copied - t_gathered
+                        spent["send_s"] += time.perf_counter() - t_copied
+                    t_used = time.perf_counter()
+                spent["gather_s"] += (t_gathered - t_bucket) + (time.perf_counter() - t_used)
         except BaseException:
             if sender is not None:
                 self._drop_weight_link()  # a broadcast may have broken off half way: form a new group next time
@@ -370,9 +381,11 @@ class TrainerWorker:
                 except Exception as e:  # the original error is the one to see
                     print(f"[mmrl] weight sync: engines did not resume cleanly after the failure: {e!r}")
             raise
-        result = {"buckets": float(n_buckets), "mb": sent_bytes / 2**20}
+        result = {"buckets": float(n_buckets), "mb": sent_bytes / 2**20, **spent}
         if sender is not None:
+            t_finish = time.perf_counter()
             result.update(sender.finish(version))
+            result["finish_s"] = time.perf_counter() - t_finish
         result["sync_s"] = time.time() - t0
         return result
 
