@@ -14,6 +14,11 @@ do the same work:
 The two alternate, `--repeats` times each after a warm-up, in one run; prints generated tokens/s
 per side and the ratio, writes benchmarks/results/rollout.json. Goal (issue 15): >= 3x at >= 128
 new tokens.
+
+Beside them, the bound: the language model's weight matmuls alone for one decode step of all
+`prompts x group` sequences (`x_BD @ W.T` for every linear layer and the LM head, nothing else:
+no attention, sampling or scheduling), timed on the same cores; tokens/s = sequences / step time.
+No engine can decode faster than that here, so it says how much of a ratio the machine allows.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,25 +95,49 @@ def main() -> None:
                               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         return (out.shape[1] - inputs["input_ids"].shape[1]) * out.shape[0], time.perf_counter() - t0
 
+    def matmul_bound() -> float:
+        """Decode tokens/s if a step cost only the language model's weight matmuls."""
+        linears = [m.weight for name, m in hf.named_modules()
+                   if isinstance(m, torch.nn.Linear) and "visual" not in name]
+        xs = [torch.randn(len(batch), w.shape[1]) for w in linears]
+        with torch.no_grad():
+            for x, w in zip(xs, linears):  # warm-up
+                x @ w.T
+            steps, t0 = 0, time.perf_counter()
+            while steps < 16 or time.perf_counter() - t0 < 2.0:
+                for x, w in zip(xs, linears):
+                    x @ w.T
+                steps += 1
+        return len(batch) * steps / (time.perf_counter() - t0)
+
     print(f"model {model_dir.relative_to(REPO)} ({params / 1e6:.1f} M parameters), {args.prompts} prompts x "
           f"{args.group} samples x {args.new_tokens} new tokens, torch threads {torch.get_num_threads()}", flush=True)
     vllm_round(), hf_round()  # warm-up: compile, allocate, caches
-    rates: dict[str, list[float]] = {"vllm": [], "hf": []}
+    rates: dict[str, list[float]] = {"vllm": [], "hf": [], "matmul_bound": []}
     for i in range(args.repeats):
         for name, fn in (("vllm", vllm_round), ("hf", hf_round)):
             tokens, seconds = fn()
             rates[name].append(tokens / seconds)
             print(f"  round {i + 1} {name:4s}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.0f} tokens/s",
                   flush=True)
+        rates["matmul_bound"].append(matmul_bound())
+        print(f"  round {i + 1} bound: {rates['matmul_bound'][-1]:.0f} tokens/s (weight matmuls only)", flush=True)
     vllm_rate, hf_rate = statistics.median(rates["vllm"]), statistics.median(rates["hf"])
-    print(f"vLLM {vllm_rate:.0f} tokens/s, HF generate {hf_rate:.0f} tokens/s: {vllm_rate / hf_rate:.2f}x (goal >= 3x)")
+    bound = statistics.median(rates["matmul_bound"])
+    print(f"vLLM {vllm_rate:.0f} tokens/s, HF generate {hf_rate:.0f} tokens/s: {vllm_rate / hf_rate:.2f}x (goal >= 3x); "
+          f"the matmul bound {bound:.0f} tokens/s = {bound / hf_rate:.2f}x HF: vLLM at {vllm_rate / bound:.2f} of it, "
+          f"HF at {hf_rate / bound:.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rollout.json").write_text(json.dumps(
         {"model": str(model_dir.relative_to(REPO)), "parameters": params, "prompts": args.prompts,
          "group": args.group, "new_tokens": args.new_tokens, "tokens_per_s": rates,
          "vllm_tokens_per_s": vllm_rate, "hf_tokens_per_s": hf_rate, "ratio": vllm_rate / hf_rate,
-         "command": "benchmarks/rollout.py " + " ".join(sys.argv[1:])}, indent=1))
+         "matmul_bound_tokens_per_s": bound, "vllm_share_of_bound": vllm_rate / bound,
+         "hf_share_of_bound": hf_rate / bound,
+         "command": "benchmarks/rollout.py " + " ".join(sys.argv[1:]),
+         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                  text=True).stdout.strip()}, indent=1))
 
 
 if __name__ == "__main__":

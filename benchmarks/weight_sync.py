@@ -137,7 +137,9 @@ def main() -> None:
                   + f"; of finish, the engines' load {apply_s:.3f} s ({apply_s / copy_s:.1f}x)", flush=True)
     (out / "weight_sync.json").write_text(json.dumps(
         {"model": str(model.relative_to(REPO)), "parameters": params, "bucket_mb": args.bucket_mb,
-         "command": "benchmarks/weight_sync.py " + " ".join(sys.argv[1:]), "results": results}, indent=1))
+         "command": "benchmarks/weight_sync.py " + " ".join(sys.argv[1:]),
+         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                  text=True).stdout.strip(), "results": results}, indent=1))
 
 
 if __name__ == "__main__":
