@@ -123,10 +123,32 @@ def mmrl_summary(run_dir: Path, first_step_s: float | None, target: float | None
             step_s.append(s)
         if "eval/heldout_accuracy" in r:
             curve.append((r["step"], r["eval/heldout_accuracy"], train_s))
-    return summarise("mmrl", curve, step_s, first_step_s, target,
-                     "mmrl train configs/colors_demo.yaml " + " ".join(o for o in overrides if "=" in o and
-                                                                         not o.startswith(("run.output_dir",)))
-                     .replace(str(REPO) + "/", ""))
+    record = summarise("mmrl", curve, step_s, first_step_s, target,
+                       "mmrl train configs/colors_demo.yaml " + " ".join(o for o in overrides if "=" in o and
+                                                                           not o.startswith(("run.output_dir",)))
+                       .replace(str(REPO) + "/", ""))
+    record["profile"] = profile(run_dir)
+    return record
+
+
+def profile(run_dir: Path) -> dict:
+    """Where mmrl's step and start-up time went (`mmrl report`'s numbers): per span seconds per
+    step, share of the step and cores busy; start-up phases."""
+    from mmrl.controller.report import load_metrics, summarize
+
+    summary = summarize(run_dir, load_metrics(run_dir))
+    spans = [{k: s[k] for k in ("name", "mean_s", "share", "p50_s", "cores")} for s in summary["spans"]]
+    other = {k: summary["other"][k] for k in ("mean_s", "share", "p50_s")}
+    return {"spans": spans, "other": other, "startup": summary["startup"], "startup_cpu": summary["startup_cpu"],
+            "cores_available": summary["cores_available"]}
+
+
+def profile_line(prof: dict) -> str:
+    top = sorted((s for s in prof["spans"] if "/" not in s["name"]), key=lambda s: -s["mean_s"])
+    def cores(s: dict) -> str:
+        return "" if s["cores"] is None else f", {s['cores']:.1f} cores"
+    return ", ".join(f"{s['name']} {s['mean_s']:.2f} s ({s['share']:.0%}{cores(s)})" for s in top) + \
+        f", other {prof['other']['mean_s']:.2f} s"
 
 
 def run_trl(python: Path, regime: str, model: Path, steps: int, target: float | None, seed: int, out: Path) -> dict:
@@ -205,6 +227,7 @@ def main() -> None:
               f"{m['train_s_to_target'] and round(m['train_s_to_target'])} s, TRL {t['steps_to_target']} steps / "
               f"{t['train_s_to_target'] and round(t['train_s_to_target'])} s; final accuracy "
               f"{m['final_accuracy']} vs {t['final_accuracy']}", flush=True)
+        print(f"  mmrl's step, mean per span: {profile_line(m['profile'])}", flush=True)
         write(results, regime, path)
 
 
