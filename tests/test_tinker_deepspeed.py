@@ -11,7 +11,11 @@ Tolerances (fp32, measured on this machine): the two trainers batch the datums d
 padded forward here, 2 + 1 rows on the ranks) and sum the gradients in another order (a
 reduce-scatter of two partial sums), so they agree to rounding: logprobs within 1e-6 after three
 Adam steps, losses and gradient norms to ~1e-7 relative, adapter weights within ~5e-6. The bounds
-below are 10x those. A control shows the comparison is sensitive: the local run without gradient
+below are 10x those. The loss is a sum whose terms cancel in the importance-sampling step (the
+advantages change sign), so its bound is relative to the sum of the terms' magnitudes, not to the
+sum: CI's machine (another CPU, other kernels) gave a 1.2e-6 relative difference there on a loss
+of 0.12, a 1.3e-8 difference per unit of term magnitude. Gradient norms get 1e-4: their error
+reaches the weights only through the clip, and the logprobs after each step bound that. A control shows the comparison is sensitive: the local run without gradient
 clipping drifts from the clipped one by far more.
 """
 from __future__ import annotations
@@ -32,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 LOGPROB_ATOL = 1e-5
 LOSS_RTOL = 1e-6
-NORM_RTOL = 1e-5
+NORM_RTOL = 1e-4
 # per step: the hyperparameters change with each call (clipping on in steps 1 and 3; eps large
 # enough in step 3 that a missing clip would change the update, not only its scale)
 ADAMS = [types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0),
@@ -122,7 +126,8 @@ def unload(url: str, model_id: str) -> None:
 
 
 def assert_same_step(a: dict, b: dict) -> None:
-    assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL)
+    magnitude = sum(float(np.abs(e).sum()) for e in a["elementwise"])  # the loss is their sum
+    assert abs(b["loss"] - a["loss"]) <= LOSS_RTOL * magnitude, (b["loss"], a["loss"], magnitude)
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=NORM_RTOL)
     for x, y in zip(a["logprobs"] + a["elementwise"], b["logprobs"] + b["elementwise"]):
         np.testing.assert_allclose(y, x, atol=LOGPROB_ATOL)
