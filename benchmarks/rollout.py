@@ -15,10 +15,14 @@ The two alternate, `--repeats` times each after a warm-up, in one run; prints ge
 per side and the ratio, writes benchmarks/results/rollout.json. Goal (issue 15): >= 3x at >= 128
 new tokens.
 
-Beside them, the bound: the language model's weight matmuls alone for one decode step of all
-`prompts x group` sequences (`x_BD @ W.T` for every linear layer and the LM head, nothing else:
-no attention, sampling or scheduling), timed on the same cores; tokens/s = sequences / step time.
-No engine can decode faster than that here, so it says how much of a ratio the machine allows.
+Beside them, the machine's bound on one decode step of all `prompts x group` sequences (a
+roofline, measured on the same cores in this process): each step must read every weight of the
+language model's linear layers once (the time of `sum()` over those bytes in one buffer)
+and do 2 x parameters x sequences FLOPs (at the FLOP rate of a large fp32 matmul, the fastest
+this CPU runs); the step takes at least the larger of the two. Tokens/s = sequences / that time.
+No engine decodes faster than that here, so it says how much of a ratio the machine allows. The
+engine's processes are idle then; their CPU seconds during the HF rounds and the bound are
+printed, so a busy-waiting engine would show.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -95,46 +101,77 @@ def main() -> None:
                               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         return (out.shape[1] - inputs["input_ids"].shape[1]) * out.shape[0], time.perf_counter() - t0
 
-    def matmul_bound() -> float:
-        """Decode tokens/s if a step cost only the language model's weight matmuls."""
-        linears = [m.weight for name, m in hf.named_modules()
-                   if isinstance(m, torch.nn.Linear) and "visual" not in name]
-        xs = [torch.randn(len(batch), w.shape[1]) for w in linears]
+    lm_weights = [m.weight for name, m in hf.named_modules()  # what a decode step's matmuls read
+                  if isinstance(m, torch.nn.Linear) and "visual" not in name]
+    flat = torch.cat([w.detach().flatten() for w in lm_weights])  # one buffer: no per-call overhead
+
+    def decode_bound() -> dict[str, float]:
+        """The roofline of one decode step: weight bytes at the read rate, FLOPs at the matmul rate."""
         with torch.no_grad():
-            for x, w in zip(xs, linears):  # warm-up
-                x @ w.T
-            steps, t0 = 0, time.perf_counter()
-            while steps < 16 or time.perf_counter() - t0 < 2.0:
-                for x, w in zip(xs, linears):
-                    x @ w.T
-                steps += 1
-        return len(batch) * steps / (time.perf_counter() - t0)
+            flat.sum()  # warm-up
+            reads, t0 = 0, time.perf_counter()
+            while reads < 8 or time.perf_counter() - t0 < 1.0:
+                flat.sum()
+                reads += 1
+            read_s = (time.perf_counter() - t0) / reads
+            a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+            a @ b
+            mms, t0 = 0, time.perf_counter()
+            while mms < 4 or time.perf_counter() - t0 < 1.0:
+                a @ b
+                mms += 1
+            flops_per_s = 2 * 2048 ** 3 * mms / (time.perf_counter() - t0)
+        compute_s = 2 * flat.numel() * len(batch) / flops_per_s
+        nbytes = flat.numel() * flat.element_size()
+        return {"tokens_per_s": len(batch) / max(read_s, compute_s), "read_s": read_s, "compute_s": compute_s,
+                "weight_mb": nbytes / 2 ** 20, "read_gb_per_s": nbytes / read_s / 1e9, "gflops": flops_per_s / 1e9}
+
+    def others_cpu_s() -> float:
+        """CPU seconds of this process's children so far (the engine's processes)."""
+        total = 0.0
+        for child in psutil.Process().children(recursive=True):
+            try:
+                t = child.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                continue
+        return total
 
     print(f"model {model_dir.relative_to(REPO)} ({params / 1e6:.1f} M parameters), {args.prompts} prompts x "
           f"{args.group} samples x {args.new_tokens} new tokens, torch threads {torch.get_num_threads()}", flush=True)
     vllm_round(), hf_round()  # warm-up: compile, allocate, caches
-    rates: dict[str, list[float]] = {"vllm": [], "hf": [], "matmul_bound": []}
+    rates: dict[str, list[float]] = {"vllm": [], "hf": [], "decode_bound": []}
+    bounds, engine_cpu_while_idle_s = [], 0.0
     for i in range(args.repeats):
         for name, fn in (("vllm", vllm_round), ("hf", hf_round)):
+            before = others_cpu_s()
             tokens, seconds = fn()
+            if name == "hf":
+                engine_cpu_while_idle_s += others_cpu_s() - before
             rates[name].append(tokens / seconds)
             print(f"  round {i + 1} {name:4s}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.0f} tokens/s",
                   flush=True)
-        rates["matmul_bound"].append(matmul_bound())
-        print(f"  round {i + 1} bound: {rates['matmul_bound'][-1]:.0f} tokens/s (weight matmuls only)", flush=True)
+        before = others_cpu_s()
+        bounds.append(decode_bound())
+        engine_cpu_while_idle_s += others_cpu_s() - before
+        rates["decode_bound"].append(bounds[-1]["tokens_per_s"])
+        print(f"  round {i + 1} bound: {bounds[-1]['tokens_per_s']:.0f} tokens/s (reading {bounds[-1]['weight_mb']:.0f} MB "
+              f"of weights: {bounds[-1]['read_s'] * 1e3:.1f} ms at {bounds[-1]['read_gb_per_s']:.1f} GB/s; "
+              f"the FLOPs: {bounds[-1]['compute_s'] * 1e3:.1f} ms at {bounds[-1]['gflops']:.0f} GFLOP/s)", flush=True)
     vllm_rate, hf_rate = statistics.median(rates["vllm"]), statistics.median(rates["hf"])
-    bound = statistics.median(rates["matmul_bound"])
+    bound = statistics.median(rates["decode_bound"])
     print(f"vLLM {vllm_rate:.0f} tokens/s, HF generate {hf_rate:.0f} tokens/s: {vllm_rate / hf_rate:.2f}x (goal >= 3x); "
-          f"the matmul bound {bound:.0f} tokens/s = {bound / hf_rate:.2f}x HF: vLLM at {vllm_rate / bound:.2f} of it, "
-          f"HF at {hf_rate / bound:.2f}")
+          f"the decode bound {bound:.0f} tokens/s = {bound / hf_rate:.2f}x HF: vLLM at {vllm_rate / bound:.2f} of it, "
+          f"HF at {hf_rate / bound:.2f}; the engine's processes used {engine_cpu_while_idle_s:.2f} CPU-s while "
+          f"HF and the bound ran")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rollout.json").write_text(json.dumps(
         {"model": str(model_dir.relative_to(REPO)), "parameters": params, "prompts": args.prompts,
          "group": args.group, "new_tokens": args.new_tokens, "tokens_per_s": rates,
          "vllm_tokens_per_s": vllm_rate, "hf_tokens_per_s": hf_rate, "ratio": vllm_rate / hf_rate,
-         "matmul_bound_tokens_per_s": bound, "vllm_share_of_bound": vllm_rate / bound,
-         "hf_share_of_bound": hf_rate / bound,
+         "decode_bound_tokens_per_s": bound, "decode_bound_rounds": bounds, "vllm_share_of_bound": vllm_rate / bound,
+         "hf_share_of_bound": hf_rate / bound, "engine_cpu_while_idle_s": engine_cpu_while_idle_s,
          "command": "benchmarks/rollout.py " + " ".join(sys.argv[1:]),
          "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                   text=True).stdout.strip()}, indent=1))
