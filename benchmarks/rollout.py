@@ -36,8 +36,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -69,6 +67,7 @@ def main() -> None:
     from mmrl.data.stream import load_all
     from mmrl.processors import build_processor
     from mmrl.rollout.engine import cpu_engine_defaults, engine_kwargs
+    from mmrl.utils.cpu_clock import ProcessTreeClock
 
     processor = build_processor("auto", str(model_dir))
     samples = load_all(str(data / "heldout-000000.tar"))[:args.prompts]
@@ -126,16 +125,11 @@ def main() -> None:
         return {"tokens_per_s": len(batch) / max(read_s, compute_s), "read_s": read_s, "compute_s": compute_s,
                 "weight_mb": nbytes / 2 ** 20, "read_gb_per_s": nbytes / read_s / 1e9, "gflops": flops_per_s / 1e9}
 
+    tree = ProcessTreeClock(refresh_s=0.0)
+
     def others_cpu_s() -> float:
-        """CPU seconds of this process's children so far (the engine's processes)."""
-        total = 0.0
-        for child in psutil.Process().children(recursive=True):
-            try:
-                t = child.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                continue
-        return total
+        """CPU seconds so far of this process's children (the engine's processes)."""
+        return sum(seconds for kind, seconds in tree.by_process().items() if kind != "driver")
 
     print(f"model {model_dir.relative_to(REPO)} ({params / 1e6:.1f} M parameters), {args.prompts} prompts x "
           f"{args.group} samples x {args.new_tokens} new tokens, torch threads {torch.get_num_threads()}", flush=True)
