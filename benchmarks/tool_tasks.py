@@ -2,13 +2,14 @@
 VLM, with the tools and without them (the control), held-out success vs steps, per seed.
 
     .venv/bin/python benchmarks/tool_tasks.py [--tasks zoom_read gui_click] [--seeds 0] \
-        [--arms tools no_tools] [--target 0.9] [--max-steps 400]
+        [--arms tools no_tools] [--target 0.9] [--max-steps N]
 
 Each (task, arm, seed) runs the real `mmrl train configs/<task>.yaml` as its own process (vLLM
 engine, the multi_turn agent loop with the task's tool, 2 ZeRO-3 ranks, Ray). The `tools` arm is
 the config as shipped and stops once held-out success reaches --target; the `no_tools` arm is the
 same config with `rollout.agent_loop_args.tools=[]` and `tool_choice=auto` (one free answer, no
-call possible) and runs the whole step budget. The recipes' data and the tiny models are built
+call possible) and runs the whole step budget: the config's own `run.max_steps` and
+`run.time_limit_s` (or --max-steps). The recipes' data and the tiny models are built
 first if missing (the commands in each config's header). Writes benchmarks/results/tool_tasks.json
 and tool_tasks.png (a panel per task) and prints one row per run.
 """
@@ -29,13 +30,16 @@ TASKS = ("zoom_read", "gui_click")
 NO_TOOLS = ["rollout.agent_loop_args.tools=[]", "rollout.agent_loop_args.tool_choice=auto"]
 
 
-def run(task: str, arm: str, seed: int, target: float, max_steps: int, extra: list[str], out_root: Path) -> dict:
+def run(task: str, arm: str, seed: int, target: float, max_steps: int | None, extra: list[str],
+        out_root: Path) -> dict:
+    """One (task, arm, seed) run. The step budget and time limit are the config's own (each tool
+    task states its budget) unless --max-steps or a run.* override replaces them."""
     name = f"{task}-{arm}-seed{seed}"
-    overrides = [f"run.seed={seed}", f"run.max_steps={max_steps}", "run.time_limit_s=7200"]
+    overrides = [f"run.seed={seed}", *([f"run.max_steps={max_steps}"] if max_steps else [])]
     overrides += [f"run.stop_at_heldout_accuracy={target}"] if arm == "tools" else NO_TOOLS
     rows, total, exit_code = train(REPO / "configs" / f"{task}.yaml", out_root / name, [*overrides, *extra],
                                    out_root / f"{name}.log")
-    command = " ".join(["mmrl", "train", f"configs/{task}.yaml", *overrides[:1], *overrides[3:], *extra])
+    command = " ".join(["mmrl", "train", f"configs/{task}.yaml", *overrides, *extra])
     return summarise(rows, task, arm, seed, target, command, total, exit_code)
 
 
@@ -71,7 +75,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--arms", nargs="+", default=["tools", "no_tools"], choices=["tools", "no_tools"])
-    add_run_args(ap, seeds=[0], max_steps=400)
+    add_run_args(ap, seeds=[0], max_steps=None,
+                 max_steps_help="step budget of every run (default: each config's run.max_steps)")
     args = ap.parse_args()
     out = Path(args.out)
     runs_root = out / "runs" / "tool_tasks"
