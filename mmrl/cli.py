@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import textwrap
+import threading
 from typing import Any, Sequence
 
 
@@ -59,22 +62,24 @@ def cmd_train(args: argparse.Namespace) -> int:
             check_memory_plan(plan)  # a plan that cannot fit stops here, naming the biggest term and the fix
         return 0
     import shlex
-    import signal
 
     from mmrl.controller.restarts import RunStopped, train_with_restarts
     from mmrl.rollout.workers import ActorRestartsExhausted
+    from mmrl.utils.signals import sigterm_unwinds
 
     # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the engines shut down cleanly and
-    # release their shared memory. Only while the run lasts: a caller of main() in its own process
-    # (a notebook, a test) gets its handler back.
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:  # a trainer rank that dies: restarted from the newest checkpoint (run.max_restarts), then this
-        summary = train_with_restarts(cfg, command=shlex.join(["mmrl", "train", args.config, *args.overrides]))
-    except (RunStopped, ActorRestartsExhausted) as e:
-        print(f"mmrl: error: {e}", file=sys.stderr)
-        return e.exit_code
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    # release their shared memory; the exit status is then 143 (mmrl/utils/signals.py)
+    with sigterm_unwinds() as terminated:
+        try:  # a trainer rank that dies: restarted from the newest checkpoint (run.max_restarts), then this
+            summary = train_with_restarts(cfg, command=shlex.join(["mmrl", "train", args.config, *args.overrides]))
+        except (RunStopped, ActorRestartsExhausted) as e:
+            print(f"mmrl: error: {e}", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt:
+            if not terminated:  # Ctrl-C: Python's own exit (130, with the traceback)
+                raise
+            print("mmrl: stopped by SIGTERM; the run closed as at its end", file=sys.stderr)
+            return 143
     curve = summary.pop("heldout_curve", [])
     print("held-out accuracy by step: " + ", ".join(f"{s}:{a:.3f}" for s, a, _ in curve))
     print(json.dumps(summary, indent=2, default=str))
@@ -504,9 +509,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack to the process's stderr: for a run or a
+    server that hangs. Not where stderr has no file descriptor (a caller capturing it in Python)."""
+    if not hasattr(signal, "SIGUSR1") or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # no sys.__stderr__, or one without a fileno
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The hub is the user's: a hub id in model.path downloads when online. Offline runs set
     # HF_HUB_OFFLINE=1 themselves (the Makefile's demo and the tests do).
+    _stacks_on_sigusr1()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:

@@ -2,7 +2,12 @@
 drive it with the official `tinker` SDK."""
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -37,7 +42,8 @@ def serve_in_thread(model_dir: Path, store_dir: Path, sampler: str = "trainer",
         if not thread.is_alive():
             raise RuntimeError("mmrl serve did not start (see the log above)")
         if time.time() > deadline:
-            raise TimeoutError(f"mmrl serve not up after {START_TIMEOUT_S} s")
+            raise TimeoutError(f"mmrl serve not up after {START_TIMEOUT_S} s; the stacks of this process's "
+                               f"threads:\n{_thread_stacks()}")
         time.sleep(0.2)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -50,6 +56,81 @@ def serve_in_thread(model_dir: Path, store_dir: Path, sampler: str = "trainer",
 
 # `with running_server(model_dir, store_dir) as url:` for a test that stops and restarts a server
 running_server = contextmanager(serve_in_thread)
+
+
+def _thread_stacks() -> str:
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+                     for ident, frame in sys._current_frames().items())
+
+
+class ServerProcess:
+    """`mmrl serve` in its own process, as users run it, on a free port (`url`).
+
+    For a server that starts Ray (serve.trainer=deepspeed): Ray then lives in that process, not in
+    the test process beside other modules' finished Ray sessions, and a server that hangs is
+    killed with everything under it instead of blocking the test process's exit (a worker thread
+    stuck in a start is joined forever). On a start that hangs, SIGUSR1 first makes it print every
+    thread's stack into its log (mmrl/cli.py), which the error shows."""
+
+    def __init__(self, model_dir: Path, store_dir: Path, log_path: Path, sampler: str = "trainer",
+                 extra: tuple[str, ...] = ()):
+        config = log_path.with_suffix(".yaml")
+        config.write_text("{}\n")  # the defaults, as serve_in_thread's load_config(None, ...)
+        cmd = [sys.executable, "-m", "mmrl.cli", "serve", str(config), "--host", "127.0.0.1", "--port", "0",
+               f"model.path={model_dir}", f"serve.store_dir={store_dir}", f"serve.sampler={sampler}",
+               "serve.model_name=tiny-vlm", *extra]
+        env = {**os.environ, "MMRL_API_KEYS": f"{KEY_A},{KEY_B}", "HF_HUB_OFFLINE": "1"}
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self.url = _wait_until_up(self.proc, log_path)
+        except BaseException:
+            self.kill()
+            raise
+
+    def stop(self, timeout_s: float = 300) -> int:
+        """SIGTERM, as a scheduler stops it (the service stops its ranks and Ray); its exit status."""
+        _close_clients(self.url)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL to what is left of its process group (after stop(), or when it hung)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+
+
+def _wait_until_up(proc: subprocess.Popen, log_path: Path) -> str:
+    import httpx
+
+    deadline = time.time() + START_TIMEOUT_S
+    url = None
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mmrl serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        if url is None:
+            found = re.search(r"Tinker API on (http://\S+) ", log_path.read_text())
+            url = found.group(1) if found else None
+        if url is not None:
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", timeout=5).status_code == 200:
+                    return url
+            except httpx.TransportError:  # bound, not listening until the service has started
+                pass
+        if time.time() > deadline:
+            proc.send_signal(signal.SIGUSR1)  # the CLI's stack dump (mmrl/cli.py)
+            time.sleep(3)
+            raise TimeoutError(f"mmrl serve not up after {START_TIMEOUT_S} s; its log, ending with every "
+                               f"thread's stack:\n{log_path.read_text()[-12000:]}")
+        time.sleep(0.5)
 
 
 _CLIENTS: dict[str, list[Any]] = {}  # base URL -> the SDK clients made for it (closed with its server)

@@ -69,3 +69,26 @@ def _ray_shut_down_after_module():
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+EXIT_GRACE_S = 300  # far more than a clean exit takes (Ray sessions are shut down per module above)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A thread stuck in a test's leftover (a server's start that hung) is joined forever when the
+    interpreter exits, and the suite then runs into CI's time limit with its results unreported.
+    A daemon watchdog ends such a process instead: every thread's stack (naming the stuck one),
+    then exit status 1 (or the session's own failure status). A clean exit ends it unfired."""
+    import faulthandler
+    import sys
+    import threading
+    import time
+
+    def exit_anyway() -> None:
+        time.sleep(EXIT_GRACE_S)
+        print(f"\n[tests] the test process has not exited {EXIT_GRACE_S} s after the session ended; "
+              "a thread below is stuck:", file=sys.__stderr__, flush=True)
+        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+        os._exit(int(exitstatus) or 1)
+
+    threading.Thread(target=exit_anyway, name="exit-watchdog", daemon=True).start()

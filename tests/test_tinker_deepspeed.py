@@ -1,6 +1,7 @@
 """`serve.trainer=deepspeed` against `serve.trainer=local`, both driven by the official `tinker` SDK.
 
-Two servers in this process share one store_dir and database: one trains each client's LoRA in
+Two servers share one store_dir and database (one in this process, one its own `mmrl serve`
+process): one trains each client's LoRA in
 the server process (LoraTrainer), the other on 2 DeepSpeed ZeRO-3 ranks (Ray actors, gloo on CPU).
 The same seed and the same calls (3 datums, one with an image, so the ranks split them 2 + 1 and
 one rank runs a filler's vision forward) must give the same logprobs, losses, gradient norms and
@@ -20,6 +21,7 @@ sensitive: the local run without gradient clipping drifts from the clipped one b
 """
 from __future__ import annotations
 
+import signal
 import warnings
 from contextlib import ExitStack
 
@@ -30,7 +32,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from _tinker_server import KEY_A, image_input, running_server, service_client  # noqa: E402
+from _tinker_server import KEY_A, ServerProcess, image_input, running_server, service_client  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +48,8 @@ NEXT = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, wei
 
 
 def rank_processes() -> set[int]:
-    """PIDs of the LoraRank actors under this process (the Ray instance the server started here)."""
+    """PIDs of the LoraRank actors under this process (the Ray instance the DeepSpeed server
+    process started)."""
     out = set()
     for proc in psutil.Process().children(recursive=True):
         try:
@@ -135,13 +138,17 @@ def assert_same_step(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory):
-    """{"local": url, "deepspeed": url, "stop_deepspeed": callable} on one store_dir."""
+    """{"local": url, "deepspeed": url, "deepspeed_server": ServerProcess} on one store_dir: the
+    local trainer in a thread here, the DeepSpeed one as its own `mmrl serve` process (it starts
+    Ray, which should not share the test process; see ServerProcess)."""
     store = tmp_path_factory.mktemp("serve-ds")
-    with ExitStack() as local_stack, ExitStack() as ds_stack:
-        urls = {"local": local_stack.enter_context(running_server(tiny_model_dir, store)),
-                "deepspeed": ds_stack.enter_context(running_server(
-                    tiny_model_dir, store, extra=("serve.trainer=deepspeed", "trainer.world_size=2")))}
-        yield {**urls, "stop_deepspeed": ds_stack.close}
+    with running_server(tiny_model_dir, store) as local_url:
+        ds = ServerProcess(tiny_model_dir, store, tmp_path_factory.mktemp("serve-ds-log") / "deepspeed.log",
+                           extra=("serve.trainer=deepspeed", "trainer.world_size=2"))
+        try:
+            yield {"local": local_url, "deepspeed": ds.url, "deepspeed_server": ds}
+        finally:
+            ds.kill()
 
 
 @pytest.fixture(scope="module")
@@ -223,5 +230,7 @@ def test_unload_kills_the_ranks_and_stopping_the_server_kills_the_rest(servers, 
     unload(servers["deepspeed"], ds_tc.model_id)
     assert_exited(first)
     assert rank_processes() == second
-    servers["stop_deepspeed"]()
+    # SIGTERM: the server stops its service, then ends by the signal (uvicorn re-raises it); Ray's
+    # crash handler, which aborted it (-6) with its ranks left running, must not be the one to run
+    assert servers["deepspeed_server"].stop() == -signal.SIGTERM
     assert_exited(second)

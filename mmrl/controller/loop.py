@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from mmrl.trainer.worker import TrainerSpec, make_trainer_actors, setup_ranks
 from mmrl.utils.env import apply_env, cleanup_shm, engine_env, init_local_ray, resolve_device, rpc_dir
 from mmrl.utils.cpu_clock import ProcessTreeClock
 from mmrl.utils.timing import Milestones, StepSpans
+from mmrl.utils.signals import reclaim_sigterm
 
 
 # After a failed weight push: how long a dead engine may take to show as dead (its watch() call
@@ -119,15 +119,6 @@ class Runtime:
         shutil.rmtree(rpc_dir(self.run_dir), ignore_errors=True)
 
 
-def _restore_sigterm_handler(handler: Any) -> None:
-    """ray.init replaces the driver's SIGTERM handler, and its core worker then installs a crash
-    handler that aborts the process on SIGTERM: a scheduler's kill then skipped Runtime.close()
-    (engines, shared-memory buffers left behind). Put back a handler the driver had set (the
-    CLI's unwinds like Ctrl-C)."""
-    if callable(handler) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-
-
 def start_runtime(cfg: Config) -> Runtime:
     """Start Ray, the rollout engines and the trainer ranks for `cfg`."""
     startup = Milestones()
@@ -146,7 +137,7 @@ def start_runtime(cfg: Config) -> Runtime:
         else:
             init_local_ray(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=True)
-        _restore_sigterm_handler(sigterm_handler)
+        reclaim_sigterm(sigterm_handler)  # ray.init replaced it (the CLI's unwinds like Ctrl-C)
     startup.mark("ray")
 
     plan = placement_plan(cfg, device)

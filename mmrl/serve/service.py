@@ -19,6 +19,7 @@ from mmrl.serve.inputs import Prompt
 from mmrl.serve.sampler import HfSampler, SampleParams, VllmSampler
 from mmrl.serve.store import ServerHeartbeat, Store
 from mmrl.serve.trainer import LoraTrainer, UserInputError
+from mmrl.utils.signals import reclaim_sigterm
 
 if TYPE_CHECKING:
     from mmrl.serve.ranks import DeepSpeedLoraTrainer
@@ -74,6 +75,7 @@ class Service:
             self.queue = FutureQueue(self.store, self.server_id)
             if self.cfg.serve.trainer.value == "deepspeed":
                 await self.queue.in_thread(self._start_ray)
+                reclaim_sigterm()  # the server's (uvicorn's) handler again, on the event loop's thread
             if self.cfg.serve.sampler.value == "trainer":
                 self.sampler = await self.queue.in_thread(
                     lambda: HfSampler(self.model_path, self.cfg.model.dtype.value, self.cfg.model.trust_remote_code))
