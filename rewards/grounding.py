@@ -12,6 +12,9 @@ Coordinate frames (`coords` for the response, `answer_coords` for the answer):
   "abs"       pixels of the image given to the reward;
   "rel"       fractions of the width/height, 0-1;
   "qwen1000"  0-1000 relative (Qwen2-VL box tokens, Qwen3-VL boxes);
+  "grid"      cells of a `grid` x `grid` partition of the image ([1, 0, 2, 1]: the cell in column
+              1, row 0 of a 3x3 grid): single-digit coordinates, for a model whose tokenizer
+              splits numbers into digits (data/recipes/grounding.py, layout=grid);
   "auto"      box tokens -> qwen1000; every value <= 1 -> rel; inside the image -> abs;
               beyond the image but <= 1000 -> qwen1000; otherwise abs.
 Both boxes are converted to fractions of the image (clipped to it) before comparing; the size
@@ -28,9 +31,9 @@ from typing import Any, Mapping, Sequence
 from mmrl.registry import register
 from mmrl.plugins.rewards._text import MAX_CHARS, NUMBER, answer_span, as_text, head
 
-__all__ = ["grounding_iou", "parse_boxes", "box_iou_giou", "COORD_FRAMES"]
+__all__ = ["grounding_iou", "grounding_format", "parse_boxes", "box_iou_giou", "COORD_FRAMES"]
 
-COORD_FRAMES = ("auto", "abs", "rel", "qwen1000")
+COORD_FRAMES = ("auto", "abs", "rel", "qwen1000", "grid")
 _MAX_BOXES = 100
 _N = rf"\s*({NUMBER})\s*"
 _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
@@ -122,7 +125,7 @@ def _frame(box: Box, source: str, coords: str, size: tuple[float, float] | None)
     return "qwen1000" if hi <= 1000 else "abs"
 
 
-def _to_rel(box: Box, frame: str, size: tuple[float, float] | None) -> Box:
+def _to_rel(box: Box, frame: str, size: tuple[float, float] | None, grid: int | None = None) -> Box:
     """The box as fractions of the image, corners ordered, clipped to [0, 1] when the size is known
     (pixels stay pixels when the size is unknown: the caller checked both boxes are in pixels)."""
     x1, y1, x2, y2 = box
@@ -130,13 +133,15 @@ def _to_rel(box: Box, frame: str, size: tuple[float, float] | None) -> Box:
         sx = sy = 1.0
     elif frame == "qwen1000":
         sx = sy = 1000.0
+    elif frame == "grid":
+        sx = sy = float(grid)  # type: ignore[arg-type]  # checked by grounding_iou
     elif frame == "abs":
         sx, sy = size if size is not None else (1.0, 1.0)  # no size: both boxes are pixels (checked)
     else:
         raise ValueError(f"grounding_iou: unknown coordinate frame {frame!r}; use one of {COORD_FRAMES}")
     x1, x2 = sorted((x1 / sx, x2 / sx))
     y1, y2 = sorted((y1 / sy, y2 / sy))
-    if size is not None or frame == "qwen1000":
+    if size is not None or frame in ("qwen1000", "grid"):
         x1, x2, y1, y2 = (min(max(v, 0.0), 1.0) for v in (x1, x2, y1, y2))
     return x1, y1, x2, y2
 
@@ -160,10 +165,11 @@ def box_iou_giou(p: Box, g: Box) -> tuple[float, float]:
 @register("reward", "grounding_iou")
 def grounding_iou(response: str, answer: Any, images: Any = None, metadata: Any = None, *,
                   coords: str = "auto", answer_coords: str = "abs", multiple: str = "first",
-                  metric: str = "iou") -> dict[str, float]:
+                  metric: str = "iou", grid: int | None = None) -> dict[str, float]:
     """IoU of the response's box with the answer box (answer: [x1, y1, x2, y2], default pixels).
 
-    coords / answer_coords: "auto" | "abs" | "rel" | "qwen1000" (module docstring).
+    coords / answer_coords: "auto" | "abs" | "rel" | "qwen1000" | "grid" (module docstring; "grid"
+    needs `grid`, the cells per side).
     multiple: "first" (the first box in the response counts; default, as listing many boxes
     must not pay) or "best" (the best-matching one). metric: "iou" (score = IoU) or "giou"
     (score = (GIoU + 1) / 2, in [0, 1], which still rewards a near miss). Several answer boxes:
@@ -174,6 +180,9 @@ def grounding_iou(response: str, answer: Any, images: Any = None, metadata: Any 
                                ("multiple", multiple, ("first", "best")), ("metric", metric, ("iou", "giou"))):
         if val not in allowed:
             raise ValueError(f"grounding_iou: {name}={val!r}; allowed: {', '.join(allowed)}")
+    if "grid" in (coords, answer_coords) and (isinstance(grid, bool) or not isinstance(grid, int) or grid < 1):
+        raise ValueError(f"grounding_iou: coords='grid' needs grid=N, the cells per side of the image (a positive "
+                         f"integer, e.g. 3 for data built with layout=grid grid=3), got grid={grid!r}")
     preds = parse_boxes(response)
     golds = _answer_boxes(answer)
     out = {"score": 0.0, "iou": 0.0, "giou": -1.0, "parsed": 1.0 if preds else 0.0, "n_boxes": float(len(preds))}
@@ -188,10 +197,10 @@ def grounding_iou(response: str, answer: Any, images: Any = None, metadata: Any 
         raise ValueError(f"grounding_iou: comparing pixel boxes with {sorted(frames - {'abs'})} boxes "
                          f"needs the image size, but the sample has no image (and no "
                          f"metadata['image_size']); provide the image or set coords/answer_coords")
-    gold_rel = [_to_rel(b, f, size) for (b, _), f in zip(golds, gold_frames)]
+    gold_rel = [_to_rel(b, f, size, grid) for (b, _), f in zip(golds, gold_frames)]
     best: tuple[float, float, float] | None = None
     for (box, _), frame in zip(candidates, pred_frames):
-        p = _to_rel(box, frame, size)
+        p = _to_rel(box, frame, size, grid)
         for g in gold_rel:
             iou, giou = box_iou_giou(p, g)
             score = iou if metric == "iou" else (giou + 1.0) / 2.0
@@ -200,3 +209,29 @@ def grounding_iou(response: str, answer: Any, images: Any = None, metadata: Any 
     assert best is not None
     out.update(score=best[0], iou=best[1], giou=best[2])
     return out
+
+
+_FIELDS = re.compile(r"[\[\(]([^\[\]\(\)]*)[\]\)]")
+
+
+@register("reward", "grounding_format")
+def grounding_format(response: str, answer: Any = None, *, grid: int | None = None) -> dict[str, float]:
+    """Format credit for a box answer: the fraction of the four fields of the response's first
+    bracketed group (`[x1, y1, x2, y2]`) that are numbers (with `grid`: integers 0..grid, the
+    coordinates of coords="grid"). Partial credit per field, so a fresh policy that fills the
+    answer_template loop's holes with anything gets a gradient towards digits before the IoU
+    pays at all. Components: fields (numeric fields found, 0-4)."""
+    if grid is not None and (isinstance(grid, bool) or not isinstance(grid, int) or grid < 1):
+        raise ValueError(f"grounding_format: grid must be a positive integer or null, got {grid!r}")
+    m = _FIELDS.search(head(answer_span(response), MAX_CHARS))
+    fields = [f.strip() for f in m.group(1).split(",")][:4] if m else []
+    good = 0
+    for f in fields:
+        if grid is not None:
+            good += f.isdigit() and int(f) <= grid
+        else:
+            try:
+                good += math.isfinite(float(f))
+            except ValueError:
+                pass
+    return {"score": good / 4.0, "fields": float(good)}

@@ -210,6 +210,32 @@ def test_grounding_box_is_the_named_shape(built):
             assert a2 <= x1 or x2 <= a1 or b2 <= y1 or y2 <= b1
 
 
+def test_grounding_grid_layout_answers_the_targets_cell(tmp_path):
+    """layout=grid (the tiny model's grounding config): every shape in its own 28-px cell; the
+    answer is the target's cell box, which `[col, row, col + 1, row + 1]` in grid units scores 1.0."""
+    from mmrl.plugins.rewards.grounding import grounding_iou
+
+    grounding.build(str(tmp_path), train_size=30, heldout_size=3, shard_size=100, layout="grid")
+    for key, m in read_split(str(tmp_path), "train").items():
+        rec = json.loads(m["json"])
+        meta = rec["metadata"]
+        assert rec["prompt"] == f"Where is the {meta['target']}? Answer with its cell [x1, y1, x2, y2] in grid units."
+        col, row = meta["cell"]
+        assert rec["answer"] == [28 * col, 28 * row, 28 * col + 28, 28 * row + 28], key
+        x1, y1, x2, y2 = meta["shape_box"]  # the shape itself, inside its cell
+        assert (x1 // 28, y1 // 28) == ((x2 - 1) // 28, (y2 - 1) // 28) == (col, row), key
+        cells = {(d["box"][0] // 28, d["box"][1] // 28) for d in meta["distractors"]}
+        assert (col, row) not in cells and len(cells) == len(meta["distractors"]), key
+        inside = saturated(np.asarray(Image.open(io.BytesIO(m["png"]))))[y1:y2, x1:x2]
+        assert inside.mean() > 0.3, key
+        assert grounding_iou(f"[{col}, {row}, {col + 1}, {row + 1}]", rec["answer"], metadata=meta, coords="grid",
+                             grid=3)["score"] == 1.0
+    with pytest.raises(ValueError, match="grid_cells"):
+        grounding.build(str(tmp_path), train_size=2, heldout_size=2, layout="grid", grid_cells=1)
+    with pytest.raises(ValueError, match="layout"):
+        grounding.build(str(tmp_path), train_size=2, heldout_size=2, layout="rows")
+
+
 # -------------------------------------------------------------------------------- multi_image
 
 def test_multi_image_members_and_colours(built):

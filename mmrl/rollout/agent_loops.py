@@ -101,5 +101,6 @@ async def single_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt
     return make_trajectory([completion])
 
 
-# The built-in multi-turn tool loop registers itself ("multi_turn"); imported last, it builds on the above.
-from mmrl.rollout import openai_loop, tool_loop  # noqa: E402,F401
+# The built-in multi-turn loops register themselves ("multi_turn", "openai_agent", "answer_template");
+# imported last, they build on the above.
+from mmrl.rollout import openai_loop, template_loop, tool_loop  # noqa: E402,F401
