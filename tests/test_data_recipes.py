@@ -414,7 +414,7 @@ def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
     from mmrl.plugins.rewards.tool_state import tool_success
     from mmrl.rollout.agent_loops import AgentContext, ScriptedClient
     from mmrl.rollout.tool_loop import multi_turn
-    from mmrl.rollout.types import RequestSampling
+    from mmrl.rollout.types import CALL_SEED_STRIDE, RequestSampling
     from mmrl.tools.gui import expert_actions, spec_from_sample
 
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "gui_click.yaml").read_text())
@@ -426,13 +426,17 @@ def test_a_scripted_gui_click_episode_as_configured(tmp_path, tiny_model_dir):
     sample = load_all(str(tmp_path / "g" / "heldout-000000.tar"))[0]
     marks = [a["mark"] for _, a in expert_actions(spec_from_sample(sample), marks=True)]
 
+    clients = []
+
     def episode(texts):
-        ctx = AgentContext(client=ScriptedClient(tok, texts, finish_reason="length"), processor=processor, args=loop_args,
-                           sampling=RequestSampling(max_tokens=cfg["rollout"]["max_new_tokens"]))
+        clients.append(ScriptedClient(tok, texts, finish_reason="length"))
+        ctx = AgentContext(client=clients[-1], processor=processor, args=loop_args,
+                           sampling=RequestSampling(max_tokens=cfg["rollout"]["max_new_tokens"], seed=5))
         return asyncio.run(multi_turn(ctx, sample, processor(sample)))
 
     t = episode([str(m) for m in marks])
     assert t.tool_state["success"] and t.stats["turns"] == 2 and t.stats["tool_errors"] == 0
+    assert [s.seed for s in clients[-1].samplings] == [5, 5 + CALL_SEED_STRIDE]  # each turn its own draws
     assert loop_args["tool_choice"] == ["open", "click"]
     assert [turn["content"] for turn in t.transcript if turn["role"] == "assistant"] == [f"open{marks[0]}",
                                                                                        f"click{marks[1]}"]

@@ -8,25 +8,13 @@ import pytest
 
 from mmrl.registry import resolve
 from mmrl.rollout.agent_loops import AgentContext, ScriptedClient
-from mmrl.rollout.template_loop import HOLE_SEED_STRIDE, TemplateArgs
-from mmrl.rollout.types import RequestSampling
+from mmrl.rollout.template_loop import TemplateArgs
+from mmrl.rollout.types import CALL_SEED_STRIDE, RequestSampling
 
 
 class _Processor:
     def __init__(self, tokenizer):
         self.tokenizer, self.eos_token_id = tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-
-class _RecordingClient(ScriptedClient):
-    """Writes the given holes and keeps each request's sampling settings."""
-
-    def __init__(self, tokenizer, turns):
-        super().__init__(tokenizer, turns)
-        self.samplings: list[RequestSampling] = []
-
-    async def generate(self, prompt, sampling):
-        self.samplings.append(sampling)
-        return await super().generate(prompt, sampling)
 
 
 class _Prompt:
@@ -35,7 +23,7 @@ class _Prompt:
 
 
 def _run(tokenizer, holes, args=None, seed=11):
-    client = _RecordingClient(tokenizer, holes)
+    client = ScriptedClient(tokenizer, holes)
     ctx = AgentContext(client=client, sampling=RequestSampling(max_tokens=8, seed=seed), processor=_Processor(tokenizer),
                        args=args or {})
     trajectory = asyncio.run(resolve("agent_loop", "answer_template")(ctx, None, _Prompt([1, 2, 3])))
@@ -58,7 +46,7 @@ def test_literals_are_environment_tokens_and_holes_the_models(tiny_model_dir: Pa
     # each hole continues the sequence so far, image included, with its own seed and the hole's budget
     assert [p["prompt_token_ids"] for p in client.prompts] == [[1, 2, 3] + expected[:k] for k in (1, 4, 7, 10)]
     assert all(p["multi_modal_data"] == {"image": ["an image"]} for p in client.prompts)
-    assert [s.seed for s in client.samplings] == [11 + k * HOLE_SEED_STRIDE for k in range(4)]
+    assert [s.seed for s in client.samplings] == [11 + k * CALL_SEED_STRIDE for k in range(4)]  # for_call
     assert [s.max_tokens for s in client.samplings] == [1] * 4
     assert t.stats == {"holes": 4.0, "hole_tokens": 4.0}
 
@@ -90,3 +78,16 @@ def test_the_grounding_reward_reads_a_filled_template() -> None:
     assert score("[0, 0, 1, 1]") == 0.0 and score("[a, 0, 2, 1]") == 0.0
     with pytest.raises(ValueError, match="grid=N"):
         grounding_iou("[1, 0, 2, 1]", [28, 0, 56, 28], metadata=meta, coords="grid")
+
+
+def test_each_call_of_a_trajectory_has_its_own_seed() -> None:
+    """A seeded engine request draws from a generator seeded afresh: calls of one trajectory that
+    shared a seed drew the same numbers for their first tokens (the multi-turn loop's turns did)."""
+    base = RequestSampling(max_tokens=4, seed=7)
+    assert base.for_call(0) is base
+    seeds = [base.for_call(k).seed for k in range(4)]
+    assert seeds == [7 + k * CALL_SEED_STRIDE for k in range(4)] and len(set(seeds)) == 4
+    assert RequestSampling(seed=None).for_call(3).seed is None
+    # no call's seed is another trajectory's (seed + slot * SEED_STRIDE + member, < CALL_SEED_STRIDE
+    # apart within a step) or a resubmission's
+    assert all(base.for_call(k).seed != base.continued(0, a).seed for k in range(1, 50) for a in range(1, 50))

@@ -77,16 +77,19 @@ def make_trajectory(completions: list[Completion], between: list[tuple[list[int]
 
 class ScriptedClient:
     """A stand-in for the rollout client that writes given turns, one per model turn, and keeps
-    the engine prompts it was sent: to drive an agent loop without an engine (an expert's
-    episode for a probe or a test of a config's loop). A turn is a text (tokenised) or token
-    ids, cut to the turn's `max_tokens` as an engine would stop; logprobs are -1."""
+    the engine prompts and sampling settings it was sent: to drive an agent loop without an
+    engine (an expert's episode for a probe or a test of a config's loop). A turn is a text
+    (tokenised) or token ids, cut to the turn's `max_tokens` as an engine would stop; logprobs
+    are -1."""
 
     def __init__(self, tokenizer: Any, turns: list[str | list[int]], finish_reason: str = "stop"):
         self.tokenizer, self.turns, self.finish_reason = tokenizer, list(turns), finish_reason
         self.prompts: list[dict[str, Any]] = []
+        self.samplings: list[RequestSampling] = []
 
     async def generate(self, prompt: dict[str, Any], sampling: RequestSampling) -> Completion:
         self.prompts.append(prompt)
+        self.samplings.append(sampling)
         turn = self.turns.pop(0)
         ids = (self.tokenizer(turn, add_special_tokens=False)["input_ids"] if isinstance(turn, str)
                else list(turn))[:sampling.max_tokens]

@@ -243,8 +243,7 @@ class RolloutProxy:
         stop = body.get("stop") or ()
         sampling = dataclasses.replace(base, max_tokens=min(int(max_tokens), base.max_tokens),
                                        stop=tuple([stop] if isinstance(stop, str) else stop))
-        if sampling.seed is not None:  # each call of a trajectory draws fresh numbers
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + 7919 * self.record(trajectory_id).calls)
+        sampling = sampling.for_call(self.record(trajectory_id).calls)  # each call draws fresh numbers
         prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
         if images:
             prompt["multi_modal_data"] = {"image": list(images)}

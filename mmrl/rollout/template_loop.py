@@ -16,8 +16,8 @@ tokens; the reward reads the whole text (`[1, 0, 2, 1]`).
 
 Not constrained decoding: each hole is sampled from the policy's full distribution (no token is
 masked), so behaviour and trainer logprobs stay comparable with no mask to replay. Each hole is its
-own seeded request with its own seed (the trajectory's seed plus the hole's offset), so the holes'
-random draws are independent, as one request's successive tokens are.
+own seeded request with its own seed (RequestSampling.for_call), so the holes' random draws are
+independent, as one request's successive tokens are.
 """
 from __future__ import annotations
 
@@ -29,11 +29,7 @@ from mmrl.data.sample import Sample
 from mmrl.processors.base import ProcessedPrompt
 from mmrl.registry import register
 from mmrl.rollout.agent_loops import AgentContext, make_trajectory
-from mmrl.rollout.types import SEED_STRIDE, Completion, Trajectory
-
-# Seed offset between holes: a multiple of the stride between trajectories' seeds, and another
-# prime than RequestSampling.continued's, so no hole's seed is another trajectory's or a retry's.
-HOLE_SEED_STRIDE = 7907 * SEED_STRIDE
+from mmrl.rollout.types import Completion, Trajectory
 
 
 @dataclass
@@ -83,9 +79,8 @@ async def answer_template(ctx: AgentContext, sample: Sample, prompt: ProcessedPr
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + response}
         if media:
             engine_prompt["multi_modal_data"] = media
-        seed = None if ctx.sampling.seed is None else ctx.sampling.seed + hole * HOLE_SEED_STRIDE
-        c = await ctx.client.generate(engine_prompt, dataclasses.replace(ctx.sampling, max_tokens=args.hole_tokens,
-                                                                         seed=seed))
+        sampling = dataclasses.replace(ctx.sampling.for_call(hole), max_tokens=args.hole_tokens)
+        c = await ctx.client.generate(engine_prompt, sampling)
         completions.append(c)
         between.append((list(ids), text))
         response += c.token_ids + list(ids)

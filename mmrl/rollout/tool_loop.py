@@ -191,7 +191,9 @@ async def multi_turn(ctx: AgentContext, sample: Sample, prompt: ProcessedPrompt)
             engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + response}
             if media:
                 engine_prompt["multi_modal_data"] = media
-            c = await ctx.client.generate(engine_prompt, dataclasses.replace(ctx.sampling, max_tokens=budget))
+            # each turn its own seed: turns sharing one would draw the same numbers (for_call)
+            c = await ctx.client.generate(engine_prompt, dataclasses.replace(ctx.sampling.for_call(turn),
+                                                                             max_tokens=budget))
             completions.append(c)
             response += c.token_ids
             stats["turns"] += 1

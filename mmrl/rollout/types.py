@@ -7,6 +7,10 @@ from typing import Any
 # Seed spacing between the trajectories of one step: more than any group size, so no two
 # trajectories share a seed (a trajectory's group member j draws with seed + j).
 SEED_STRIDE = 4096
+# Seed spacing between the engine requests of one trajectory (turns, template holes, proxy calls):
+# a multiple of SEED_STRIDE and another prime than `continued`'s, so no call's seed is another
+# trajectory's or a resubmission's.
+CALL_SEED_STRIDE = 7907 * SEED_STRIDE
 
 
 @dataclass
@@ -50,6 +54,15 @@ class RequestSampling:
     stop: tuple[str, ...] = ()
     # Names the trajectory in engine request ids (abort, logs); the router sticks a key to one engine.
     request_key: str = ""
+
+    def for_call(self, call: int) -> "RequestSampling":
+        """The settings for a trajectory's `call`-th engine request (0 = the first, unchanged): its
+        own seed. A seeded engine request draws from a generator seeded afresh, so calls sharing
+        a seed would draw the same numbers for their first tokens: a later turn's choice would
+        follow the first turn's instead of the policy's distribution that its logprobs describe."""
+        if self.seed is None or call == 0:
+            return self
+        return replace(self, seed=self.seed + call * CALL_SEED_STRIDE)
 
     def continued(self, done_tokens: int, attempt: int) -> "RequestSampling":
         """The settings to resubmit a request aborted after `done_tokens` tokens: the rest of the
