@@ -53,7 +53,7 @@ LOCAL = [c for c in CONFIGS if _built_here(c)]
 
 
 def test_every_recipe_has_a_local_config() -> None:
-    assert {"colors_demo", "counting", "multi_image", "zoom_read", "gui_click"} <= {c.stem for c in LOCAL}
+    assert {"colors_demo", "counting", "multi_image", "grounding", "zoom_read", "gui_click"} <= {c.stem for c in LOCAL}
 
 
 @pytest.mark.parametrize("config", [c for c in LOCAL if c.stem != "colors_demo"], ids=lambda c: c.stem)
