@@ -20,6 +20,7 @@ The contract of an agent loop (kind "agent_loop"; tests/test_plugin_contracts.py
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,17 @@ class AgentContext:
     processor: Any
     group_index: int = 0
     args: dict[str, Any] = field(default_factory=dict)
+
+
+def loop_args(cls: type, args: dict[str, Any] | None, loop: str) -> Any:
+    """`rollout.agent_loop_args` as the dataclass `cls` of the loop named `loop`; an unknown key
+    is refused with the known ones (a typo must not fall back to a default silently)."""
+    args = dict(args or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"rollout.agent_loop_args: unknown key(s) {unknown} for the {loop} loop; known: {sorted(known)}")
+    return cls(**args)
 
 
 def make_trajectory(completions: list[Completion], between: list[tuple[list[int], str]] | None = None,

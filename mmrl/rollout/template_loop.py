@@ -28,7 +28,7 @@ from typing import Any
 from mmrl.data.sample import Sample
 from mmrl.processors.base import ProcessedPrompt
 from mmrl.registry import register
-from mmrl.rollout.agent_loops import AgentContext, make_trajectory
+from mmrl.rollout.agent_loops import AgentContext, loop_args, make_trajectory
 from mmrl.rollout.types import Completion, Trajectory
 
 
@@ -40,13 +40,7 @@ class TemplateArgs:
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> "TemplateArgs":
-        args = dict(args or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise ValueError(f"rollout.agent_loop_args: unknown key(s) {unknown} for the answer_template loop; "
-                             f"known: {sorted(known)}")
-        out = cls(**args)
+        out = loop_args(cls, args, "answer_template")
         if not isinstance(out.template, str) or "{}" not in out.template:
             raise ValueError("rollout.agent_loop_args.template must be a string with at least one {} hole, e.g. "
                              f"'[{{}}, {{}}, {{}}, {{}}]', got {out.template!r}")

@@ -48,7 +48,7 @@ from mmrl import registry
 from mmrl.data.sample import Sample
 from mmrl.processors.base import ProcessedPrompt
 from mmrl.registry import register
-from mmrl.rollout.agent_loops import AgentContext, make_trajectory
+from mmrl.rollout.agent_loops import AgentContext, loop_args, make_trajectory
 from mmrl.rollout.types import Completion, Trajectory
 from mmrl.tools.base import ToolResult, run_tool
 from mmrl.utils.thumbnails import thumbnail
@@ -85,12 +85,7 @@ class ToolLoopArgs:
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> "ToolLoopArgs":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise ValueError(f"rollout.agent_loop_args: unknown key(s) {unknown} for the multi_turn loop; "
-                             f"known: {sorted(known)}")
-        out = cls(**args)
+        out = loop_args(cls, args, "multi_turn")
         if out.max_turns < 1 or out.max_total_tokens < 1:
             raise ValueError("rollout.agent_loop_args: max_turns and max_total_tokens must be >= 1")
         for i, spec in enumerate(out.tools):
