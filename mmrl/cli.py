@@ -91,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mmrl.serve import serve
     from mmrl.serve.auth import KeyConfigError
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, check_data=False)  # it reads no shards
     try:
         serve(cfg, host=args.host, port=args.port)
     except KeyConfigError as e:  # no API keys, or keys without the tml- prefix
@@ -104,7 +104,7 @@ def cmd_serve_rollout(args: argparse.Namespace) -> int:
     from mmrl.config import load_config
     from mmrl.rollout.serve import serve_rollout
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, check_data=False)  # it reads no shards
     serve_rollout(cfg, host=args.host, port=args.port, on_drift=args.on_drift, parser=args.parser or None)
     return 0
 

@@ -85,7 +85,10 @@ class ServerProcess:
         env = {**os.environ, "MMRL_API_KEYS": f"{KEY_A},{KEY_B}", "HF_HUB_OFFLINE": "1"}
         self.log_path = log_path
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # run from the log's folder: the defaults' relative paths (work/data/...) exist there no
+            # more than on a clean machine, where the server must start all the same
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         cwd=log_path.parent)
         try:
             self.url = _wait_until_up(self.proc, log_path)
         except BaseException:

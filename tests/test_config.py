@@ -92,6 +92,12 @@ def test_missing_shards_and_model(tmp_path: Path, tiny_model_dir: Path) -> None:
         load_config(DEMO, [f"model.path={tiny_model_dir}", f"data.train_shards={tmp_path}/none-{{000..001}}.tar"])
     with pytest.raises(ConfigError, match=r"'model.path'.*mmrl tiny-model"):
         load_config(DEMO, [f"model.path={tmp_path}/no-model"])
+    # a command that reads no shards (mmrl serve, serve-rollout) checks the model only: on a clean
+    # machine the defaults' shards (work/data/colors) do not exist
+    missing = [f"data.train_shards={tmp_path}/none-{{000..001}}.tar", f"data.heldout_shards={tmp_path}/none.tar"]
+    assert load_config(DEMO, [f"model.path={tiny_model_dir}", *missing], check_data=False).model.path == str(tiny_model_dir)
+    with pytest.raises(ConfigError, match=r"'model.path'"):
+        load_config(DEMO, [f"model.path={tmp_path}/no-model", *missing], check_data=False)
 
 
 def test_reward_plugin_path_that_does_not_import(tmp_path: Path) -> None:

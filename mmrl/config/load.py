@@ -127,8 +127,10 @@ def _bools_to_enum_members(node: Any, tp: Any) -> None:
 
 
 def load_config(path: str | None, overrides: Sequence[str] = (), *, check_files: bool = True,
-                check_plugins: bool = True) -> Config:
-    """Merge schema defaults <- YAML file <- overrides; validate; return a typed Config."""
+                check_plugins: bool = True, check_data: bool = True) -> Config:
+    """Merge schema defaults <- YAML file <- overrides; validate; return a typed Config.
+    check_data=False: the model folder is checked but not the shards (a command that reads none,
+    such as `mmrl serve`)."""
     merged = OmegaConf.structured(Config)
     layers: list[tuple[DictConfig, str]] = []
     if path:
@@ -159,7 +161,7 @@ def load_config(path: str | None, overrides: Sequence[str] = (), *, check_files:
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise _explain(e, "while resolving interpolations") from None
-    validate(cfg, check_files=check_files, check_plugins=check_plugins)
+    validate(cfg, check_files=check_files, check_plugins=check_plugins, check_data=check_data)
     return cfg
 
 
@@ -250,8 +252,9 @@ def _looks_local(path: str) -> bool:
     return os.path.isdir(path.split("/")[0])  # 'work/tiny-vlm' when ./work exists
 
 
-def check_named_files(cfg: Config) -> None:
-    """The model folder and the shards the config names exist (a hub id passes unless offline)."""
+def check_named_files(cfg: Config, data: bool = True) -> None:
+    """The model folder and (data=True) the shards the config names exist (a hub id passes unless
+    offline)."""
     from mmrl.data.stream import ShardNotFoundError, expand_urls
 
     model = cfg.model.path
@@ -260,7 +263,7 @@ def check_named_files(cfg: Config) -> None:
             f"Config key 'model.path': model folder '{model}' does not exist. Build the tiny demo model "
             f"with `mmrl tiny-model --arch qwen2_5_vl --out {model}`, or point model.path at a Hugging "
             f"Face model folder or hub id.")
-    for key in ("train_shards", "heldout_shards"):
+    for key in ("train_shards", "heldout_shards") if data else ():
         spec = getattr(cfg.data, key)
         if spec is None:
             continue
@@ -410,7 +413,7 @@ def _check_routing_replay(cfg: Config, check_files: bool) -> None:
                               f"no routing to replay. Set algorithm.routing_replay=off.")
 
 
-def validate(cfg: Config, *, check_files: bool = True, check_plugins: bool = True) -> None:
+def validate(cfg: Config, *, check_files: bool = True, check_plugins: bool = True, check_data: bool = True) -> None:
     _check_positive(cfg)
     _check_routing_replay(cfg, check_files)
     _check_weight_sync(cfg)
@@ -421,6 +424,6 @@ def validate(cfg: Config, *, check_files: bool = True, check_plugins: bool = Tru
                           "rewards: [{name: answer_match}].")
     _check_reward_labels(cfg)
     if check_files:
-        check_named_files(cfg)
+        check_named_files(cfg, data=check_data)
     if check_plugins:
         _check_plugins(cfg)
