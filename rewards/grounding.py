@@ -182,7 +182,7 @@ def grounding_iou(response: str, answer: Any, images: Any = None, metadata: Any 
             raise ValueError(f"grounding_iou: {name}={val!r}; allowed: {', '.join(allowed)}")
     if "grid" in (coords, answer_coords) and (isinstance(grid, bool) or not isinstance(grid, int) or grid < 1):
         raise ValueError(f"grounding_iou: coords='grid' needs grid=N, the cells per side of the image (a positive "
-                         f"integer, e.g. 3 for data built with layout=grid grid=3), got grid={grid!r}")
+                         f"integer, e.g. 3 for data built with layout=grid grid_cells=3), got grid={grid!r}")
     preds = parse_boxes(response)
     golds = _answer_boxes(answer)
     out = {"score": 0.0, "iou": 0.0, "giou": -1.0, "parsed": 1.0 if preds else 0.0, "n_boxes": float(len(preds))}

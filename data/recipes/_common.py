@@ -109,6 +109,25 @@ def place_squares(rng: np.random.Generator, size: int, sides: Sequence[int], gap
     return [(x, y) for x, y, _ in placed]
 
 
+def grid_corners(rng: np.random.Generator, size: int, count: int, cells: int,
+                 min_frac: float = 0.45, max_frac: float = 0.7) -> tuple[list[tuple[int, int]], list[int]]:
+    """Top-left corners and sides for `count` shapes in distinct cells of a `cells` x `cells` grid,
+    each inside its cell with a one-pixel margin (so shapes in neighbouring cells stay apart). The
+    counting and grounding recipes' layout=grid."""
+    cell = size // cells
+    if count > cells * cells:
+        raise ValueError(f"cannot place {count} shapes in a {cells}x{cells} grid; raise grid_cells or place fewer shapes")
+    lo, hi = max(3, int(round(min_frac * cell))), max(3, min(cell - 2, int(round(max_frac * cell))))
+    chosen = rng.choice(cells * cells, size=count, replace=False)
+    corners, sides = [], []
+    for c in chosen.tolist():
+        side = int(rng.integers(lo, hi + 1))
+        cx, cy = (c % cells) * cell, (c // cells) * cell
+        corners.append((cx + 1 + int(rng.integers(0, cell - side - 1)), cy + 1 + int(rng.integers(0, cell - side - 1))))
+        sides.append(side)
+    return corners, sides
+
+
 # ------------------------------------------------------------------------------------ encoding
 
 def normalise_image_format(image_format: str) -> str:

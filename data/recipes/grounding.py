@@ -25,10 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from mmrl.plugins.data.recipes.counting import grid_corners
 from mmrl.plugins.data.recipes._common import (COLOURS, SHAPES, background, build_splits, encode_image,
-                                       finish, jittered, normalise_image_format, paint,
-                                       place_squares)
+                                       finish, grid_corners, jittered, normalise_image_format,
+                                       paint, place_squares)
 from mmrl.registry import register
 
 PROMPT_TEMPLATE = "Where is the {shape}? Answer with its box [x1, y1, x2, y2]."
